@@ -1,0 +1,59 @@
+//! `producer`: the gRPC server that commits flow steps with their outbox events.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use proto::serve::LogFormat;
+
+/// Commits each flow step and its outbox event in one SQLite transaction, and serves
+/// `ordered_events.v1.Producer` (Advance, GetFlow) with gRPC health and reflection.
+///
+/// The first stdout line is the bound address; logs go to stderr (filter with RUST_LOG).
+#[derive(Debug, Parser)]
+#[command(name = "producer", version)]
+struct Args {
+    /// producer.db path; created with its schema on first start. The relay reads the same file.
+    #[arg(long, env = "ORDERED_EVENTS_PRODUCER_DB", value_name = "FILE")]
+    db: PathBuf,
+    /// Address to listen on (port 0 picks a free port; the chosen address is printed).
+    #[arg(
+        long,
+        env = "ORDERED_EVENTS_PRODUCER_LISTEN",
+        value_name = "ADDR",
+        default_value = "127.0.0.1:50051"
+    )]
+    listen: SocketAddr,
+    /// Log format on stderr.
+    #[arg(long, env = "ORDERED_EVENTS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    proto::serve::init_tracing(args.log_format);
+    match run(args).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            eprintln!("producer: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    let crash = proto::crash::CrashSwitch::from_env()?;
+    let service = producer::ProducerService::open(&producer::Config { db: args.db, crash })?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", args.listen))?;
+    let addr = listener.local_addr()?;
+    proto::serve::announce(addr);
+    tracing::info!(%addr, "producer serving");
+    producer::run(service, listener, proto::serve::shutdown_signal()).await?;
+    tracing::info!("producer stopped");
+    Ok(())
+}

@@ -1,0 +1,182 @@
+//! The `ordered_events.v1.Producer` gRPC service: validates, runs `store::advance` in one
+//! `BEGIN IMMEDIATE` transaction on a blocking thread, and maps outcomes to the wire.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use proto::crash::{CrashPoint, CrashSwitch};
+use proto::db::{self, OpenMode, storage_status};
+use proto::pb;
+use rusqlite::Connection;
+use tokio::net::TcpListener;
+use tonic::{Request, Response, Status};
+
+use crate::request;
+use crate::store::{self, AdvanceOutcome, AdvanceReply, FlowRecord, OutboxRecord};
+
+/// What the producer needs to run (validated flags).
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub db: PathBuf,
+    pub crash: CrashSwitch,
+}
+
+/// The service state: one connection to producer.db, used on blocking threads only.
+#[derive(Clone)]
+pub struct ProducerService {
+    conn: Arc<Mutex<Connection>>,
+    crash: CrashSwitch,
+}
+
+impl ProducerService {
+    /// Opens (creating if needed) producer.db and logs the effective settings.
+    pub fn open(config: &Config) -> Result<ProducerService, db::DbError> {
+        let conn = store::open(&config.db, OpenMode::Create)?;
+        let eff =
+            db::effective(&conn).map_err(|source| db::DbError::Sqlite { path: config.db.clone(), source })?;
+        tracing::info!(
+            db = %config.db.display(),
+            journal_mode = %eff.journal_mode,
+            synchronous = %eff.synchronous,
+            "producer database open"
+        );
+        Ok(ProducerService { conn: Arc::new(Mutex::new(conn)), crash: config.crash })
+    }
+
+    /// Runs `f` with the connection on a blocking thread (SQLite never blocks the runtime).
+    async fn with_conn<T, F>(&self, f: F) -> Result<T, Status>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut Connection) -> Result<T, Status> + Send + 'static,
+    {
+        let conn = Arc::clone(&self.conn);
+        tokio::task::spawn_blocking(move || {
+            // A panic while holding the lock rolled its transaction back on unwind; the
+            // connection itself is still usable.
+            let mut guard = conn.lock().unwrap_or_else(|p| p.into_inner());
+            f(&mut guard)
+        })
+        .await
+        .map_err(|e| Status::internal(format!("storage task failed: {e}")))?
+    }
+}
+
+/// Serves the producer on `listener` until `shutdown` completes.
+pub async fn run(
+    service: ProducerService,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
+    let svc = pb::producer_server::ProducerServer::new(service);
+    proto::serve::serve(listener, "ordered_events.v1.Producer", |r| r.add_service(svc), shutdown).await
+}
+
+fn now_us() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as i64).unwrap_or(0)
+}
+
+fn event_pb(row: &OutboxRecord) -> pb::StoredEvent {
+    pb::StoredEvent {
+        event_id: row.event_id.clone(),
+        flow_id: row.flow_id.clone(),
+        seq: row.seq,
+        kind: row.kind.clone(),
+        schema: row.schema,
+        body: row.body.clone(),
+    }
+}
+
+impl From<&AdvanceOutcome> for pb::AdvanceOutcome {
+    fn from(o: &AdvanceOutcome) -> Self {
+        match o {
+            AdvanceOutcome::Committed => pb::AdvanceOutcome::Committed,
+            AdvanceOutcome::Existing => pb::AdvanceOutcome::Existing,
+            AdvanceOutcome::Conflict => pb::AdvanceOutcome::Conflict,
+            AdvanceOutcome::Stale => pb::AdvanceOutcome::Stale,
+            AdvanceOutcome::InvalidTransition(_) => pb::AdvanceOutcome::InvalidTransition,
+        }
+    }
+}
+
+fn detail(reply: &AdvanceReply, expected_seq: u64) -> String {
+    match &reply.outcome {
+        AdvanceOutcome::Committed | AdvanceOutcome::Existing => String::new(),
+        AdvanceOutcome::Conflict => "event_id is already committed with a different body".into(),
+        AdvanceOutcome::Stale => {
+            format!("expected_seq {expected_seq} but the flow is at seq {}", reply.flow.seq)
+        }
+        AdvanceOutcome::InvalidTransition(e) => e.to_string(),
+    }
+}
+
+#[tonic::async_trait]
+impl pb::producer_server::Producer for ProducerService {
+    async fn advance(
+        &self,
+        request: Request<pb::AdvanceRequest>,
+    ) -> Result<Response<pb::AdvanceResponse>, Status> {
+        let req = request.into_inner();
+        let cmd = request::validate(&req).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let crash = self.crash;
+        let reply = self
+            .with_conn(move |conn| {
+                let tx = db::begin_immediate(conn).map_err(|e| storage_status("advance", &e))?;
+                let reply =
+                    store::advance(&tx, &cmd, &crash, now_us()).map_err(|e| storage_status("advance", &e))?;
+                if reply.outcome == AdvanceOutcome::Committed {
+                    tx.commit().map_err(|e| storage_status("advance commit", &e))?;
+                    crash.reach(CrashPoint::ProducerAfterCommit);
+                }
+                Ok(reply)
+            })
+            .await?;
+        tracing::debug!(flow_id = %req.flow_id, event_id = %req.event_id, outcome = ?reply.outcome, "advance");
+        Ok(Response::new(pb::AdvanceResponse {
+            outcome: pb::AdvanceOutcome::from(&reply.outcome) as i32,
+            seq: reply.flow.seq,
+            state: reply.flow.state.as_str().to_owned(),
+            event: reply.event.as_ref().map(event_pb),
+            detail: detail(&reply, req.expected_seq),
+        }))
+    }
+
+    async fn get_flow(
+        &self,
+        request: Request<pb::GetFlowRequest>,
+    ) -> Result<Response<pb::ProducerFlow>, Status> {
+        let flow_id = request.into_inner().flow_id;
+        proto::limits::check_token("flow_id", &flow_id, proto::limits::MAX_ID_BYTES)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let id = flow_id.clone();
+        let (flow, rows): (FlowRecord, Vec<OutboxRecord>) = self
+            .with_conn(move |conn| {
+                // One read transaction so the flow and its rows are one snapshot.
+                let tx = conn.transaction().map_err(|e| storage_status("get_flow", &e))?;
+                let flow = store::flow_record(&tx, &id).map_err(|e| storage_status("get_flow", &e))?;
+                let rows = store::flow_outbox(&tx, &id).map_err(|e| storage_status("get_flow", &e))?;
+                Ok((flow, rows))
+            })
+            .await?;
+        Ok(Response::new(pb::ProducerFlow {
+            flow_id,
+            seq: flow.seq,
+            state: flow.state.as_str().to_owned(),
+            amount: flow.amount,
+            outbox: rows
+                .into_iter()
+                .map(|r| pb::OutboxRow {
+                    event_id: r.event_id,
+                    seq: r.seq,
+                    kind: r.kind,
+                    schema: r.schema,
+                    body: r.body,
+                    accepted: r.accepted,
+                    attempts: r.attempts,
+                    last_outcome: r.last_outcome.unwrap_or_default(),
+                })
+                .collect(),
+        }))
+    }
+}

@@ -1,0 +1,362 @@
+//! All SQL of producer.db. `advance` makes the flow update and its outbox row one
+//! `BEGIN IMMEDIATE` transaction (the caller's); the relay reads and marks outbox rows only
+//! through the functions below, so this module is the one owner of the file's invariants.
+
+use std::path::Path;
+
+use proto::crash::{CrashPoint, CrashSwitch};
+use proto::db::{self, DbError, DbKind, OpenMode};
+use proto::flow::{FlowState, TransitionError, check_step};
+use rusqlite::{Connection, OptionalExtension, Transaction, params};
+
+use crate::request::AdvanceCommand;
+
+/// producer.db: identity and schema (version 1).
+pub const KIND: DbKind = DbKind {
+    name: "producer",
+    application_id: db::PRODUCER_APPLICATION_ID,
+    user_version: 1,
+    schema_sql: SCHEMA,
+};
+
+const SCHEMA: &str = "
+CREATE TABLE flow(
+    flow_id TEXT PRIMARY KEY,
+    seq INTEGER NOT NULL CHECK(seq >= 1),
+    state TEXT NOT NULL CHECK(state IN ('reserved','confirmed','released')),
+    amount INTEGER NOT NULL CHECK(amount >= 1)
+);
+CREATE TABLE outbox(
+    event_id TEXT PRIMARY KEY,
+    flow_id TEXT NOT NULL REFERENCES flow(flow_id),
+    seq INTEGER NOT NULL CHECK(seq >= 1),
+    kind TEXT NOT NULL,
+    schema INTEGER NOT NULL,
+    body TEXT NOT NULL,
+    accepted INTEGER NOT NULL DEFAULT 0 CHECK(accepted IN (0,1)),
+    attempts INTEGER NOT NULL DEFAULT 0,
+    last_outcome TEXT,
+    committed_at_us INTEGER NOT NULL,
+    accepted_at_us INTEGER,
+    UNIQUE(flow_id, seq)
+);
+-- Only unaccepted rows are indexed: finding the relay's work never scans the history.
+CREATE INDEX outbox_unaccepted ON outbox(flow_id, seq) WHERE accepted = 0;
+";
+
+/// Opens producer.db with the shared settings (`Create` for the server, `Existing` for the
+/// relay, which refuses a file the producer has not created).
+pub fn open(path: &Path, mode: OpenMode) -> Result<Connection, DbError> {
+    db::open(path, &KIND, mode)
+}
+
+/// A flow's committed state as the producer sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FlowRecord {
+    pub seq: u64,
+    pub state: FlowState,
+    pub amount: i64,
+}
+
+impl FlowRecord {
+    const NEW: FlowRecord = FlowRecord { seq: 0, state: FlowState::New, amount: 0 };
+}
+
+/// One outbox row.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OutboxRecord {
+    pub event_id: String,
+    pub flow_id: String,
+    pub seq: u64,
+    pub kind: String,
+    pub schema: u32,
+    pub body: String,
+    pub accepted: bool,
+    pub attempts: u64,
+    pub last_outcome: Option<String>,
+}
+
+/// What `advance` decided.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AdvanceOutcome {
+    Committed,
+    Existing,
+    Conflict,
+    Stale,
+    InvalidTransition(TransitionError),
+}
+
+/// The answer to one `Advance`: the outcome, the flow as it now stands, and the stored event
+/// for `Committed`, `Existing` and `Conflict`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AdvanceReply {
+    pub outcome: AdvanceOutcome,
+    pub flow: FlowRecord,
+    pub event: Option<OutboxRecord>,
+}
+
+/// SPEC §5 inside the caller's `BEGIN IMMEDIATE` transaction, in order: event-id history
+/// (EXISTING/CONFLICT), expected seq (STALE), legal step (INVALID_TRANSITION), then the flow
+/// update and the outbox insert. Nothing is written unless the outcome is `Committed`; the
+/// caller commits, then reaches `producer.after_commit`.
+pub fn advance(
+    tx: &Transaction<'_>,
+    cmd: &AdvanceCommand,
+    crash: &CrashSwitch,
+    now_us: i64,
+) -> rusqlite::Result<AdvanceReply> {
+    let flow = flow_record(tx, &cmd.flow_id)?;
+    if let Some(stored) = outbox_row(tx, &cmd.event_id)? {
+        let outcome = if stored.body == cmd.event().canonical_body() {
+            AdvanceOutcome::Existing
+        } else {
+            AdvanceOutcome::Conflict
+        };
+        return Ok(AdvanceReply { outcome, flow, event: Some(stored) });
+    }
+    if flow.seq != cmd.expected_seq {
+        return Ok(AdvanceReply { outcome: AdvanceOutcome::Stale, flow, event: None });
+    }
+    let next = match check_step(flow.state, flow.amount, cmd.kind, cmd.amount) {
+        Ok(next) => next,
+        Err(e) => {
+            return Ok(AdvanceReply { outcome: AdvanceOutcome::InvalidTransition(e), flow, event: None });
+        }
+    };
+    let event = cmd.event();
+    tx.execute(
+        "INSERT INTO flow(flow_id, seq, state, amount) VALUES (?1, ?2, ?3, ?4)
+         ON CONFLICT(flow_id) DO UPDATE SET seq = excluded.seq, state = excluded.state",
+        params![event.flow_id, event.seq, next.as_str(), cmd.amount],
+    )?;
+    crash.reach(CrashPoint::ProducerAfterFlowUpdate);
+    let body = event.canonical_body();
+    tx.execute(
+        "INSERT INTO outbox(event_id, flow_id, seq, kind, schema, body, committed_at_us)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+        params![event.event_id, event.flow_id, event.seq, event.kind, event.schema, body, now_us],
+    )?;
+    crash.reach(CrashPoint::ProducerAfterOutboxInsert);
+    let stored = OutboxRecord {
+        event_id: event.event_id,
+        flow_id: event.flow_id,
+        seq: event.seq,
+        kind: event.kind,
+        schema: event.schema,
+        body,
+        accepted: false,
+        attempts: 0,
+        last_outcome: None,
+    };
+    let flow = FlowRecord {
+        seq: stored.seq,
+        state: next,
+        amount: if flow.state == FlowState::New { cmd.amount } else { flow.amount },
+    };
+    Ok(AdvanceReply { outcome: AdvanceOutcome::Committed, flow, event: Some(stored) })
+}
+
+/// The flow's committed state; a flow with no row is `new`, seq 0.
+pub fn flow_record(conn: &Connection, flow_id: &str) -> rusqlite::Result<FlowRecord> {
+    let row = conn
+        .query_row("SELECT seq, state, amount FROM flow WHERE flow_id = ?1", [flow_id], |r| {
+            Ok((r.get::<_, u64>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?))
+        })
+        .optional()?;
+    match row {
+        None => Ok(FlowRecord::NEW),
+        Some((seq, state, amount)) => {
+            let state = FlowState::parse(&state)
+                .ok_or_else(|| corrupt(format!("flow {flow_id}: unknown state {state:?}")))?;
+            Ok(FlowRecord { seq, state, amount })
+        }
+    }
+}
+
+const OUTBOX_COLUMNS: &str = "event_id, flow_id, seq, kind, schema, body, accepted, attempts, last_outcome";
+
+fn outbox_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<OutboxRecord> {
+    Ok(OutboxRecord {
+        event_id: r.get(0)?,
+        flow_id: r.get(1)?,
+        seq: r.get(2)?,
+        kind: r.get(3)?,
+        schema: r.get(4)?,
+        body: r.get(5)?,
+        accepted: r.get::<_, i64>(6)? != 0,
+        attempts: r.get(7)?,
+        last_outcome: r.get(8)?,
+    })
+}
+
+/// The outbox row of `event_id`, accepted or not.
+pub fn outbox_row(conn: &Connection, event_id: &str) -> rusqlite::Result<Option<OutboxRecord>> {
+    conn.query_row(
+        &format!("SELECT {OUTBOX_COLUMNS} FROM outbox WHERE event_id = ?1"),
+        [event_id],
+        outbox_from_row,
+    )
+    .optional()
+}
+
+/// The flow's outbox rows in seq order.
+pub fn flow_outbox(conn: &Connection, flow_id: &str) -> rusqlite::Result<Vec<OutboxRecord>> {
+    let mut stmt =
+        conn.prepare_cached(&format!("SELECT {OUTBOX_COLUMNS} FROM outbox WHERE flow_id = ?1 ORDER BY seq"))?;
+    stmt.query_map([flow_id], outbox_from_row)?.collect()
+}
+
+/// The SQL that pages through unaccepted rows in `(flow_id, seq)` order, after a cursor.
+/// It is answered from the partial index `outbox_unaccepted` alone (see the
+/// `EXPLAIN QUERY PLAN` test), so the accepted history is never scanned.
+pub const UNACCEPTED_PAGE_SQL: &str =
+    "SELECT event_id, flow_id, seq, kind, schema, body, accepted, attempts, last_outcome
+     FROM outbox WHERE accepted = 0 AND (flow_id, seq) > (?1, ?2)
+     ORDER BY flow_id, seq LIMIT ?3";
+
+/// Up to `limit` unaccepted rows after `(flow_id, seq)` in `(flow_id, seq)` order (start
+/// with `("", 0)`). One short read; no transaction is held between pages.
+pub fn unaccepted_after(
+    conn: &Connection,
+    after: (&str, u64),
+    limit: usize,
+) -> rusqlite::Result<Vec<OutboxRecord>> {
+    let mut stmt = conn.prepare_cached(UNACCEPTED_PAGE_SQL)?;
+    stmt.query_map(params![after.0, after.1, limit as i64], outbox_from_row)?.collect()
+}
+
+/// Inside a relay's transaction: counts one delivery attempt of `event_id` with the
+/// consumer's answer (short word, e.g. `ID_CONFLICT`), and when `accepted` (the answer
+/// means the consumer durably holds the event) sets `accepted = 1`. Any other answer
+/// leaves the row unaccepted. Returns false when no such row exists.
+pub fn record_delivery(
+    tx: &Transaction<'_>,
+    event_id: &str,
+    outcome: &str,
+    accepted: bool,
+    now_us: i64,
+) -> rusqlite::Result<bool> {
+    let mut stmt = tx.prepare_cached(
+        "UPDATE outbox SET attempts = attempts + 1, last_outcome = ?2,
+             accepted_at_us = CASE WHEN ?3 AND accepted = 0 THEN ?4 ELSE accepted_at_us END,
+             accepted = CASE WHEN ?3 THEN 1 ELSE accepted END
+         WHERE event_id = ?1",
+    )?;
+    Ok(stmt.execute(params![event_id, outcome, accepted, now_us])? == 1)
+}
+
+/// Counts of outbox rows: (all, unaccepted).
+pub fn outbox_counts(conn: &Connection) -> rusqlite::Result<(u64, u64)> {
+    let total = conn.query_row("SELECT count(*) FROM outbox", [], |r| r.get(0))?;
+    let unaccepted = conn.query_row("SELECT count(*) FROM outbox WHERE accepted = 0", [], |r| r.get(0))?;
+    Ok((total, unaccepted))
+}
+
+fn corrupt(msg: String) -> rusqlite::Error {
+    rusqlite::Error::InvalidColumnType(0, msg, rusqlite::types::Type::Text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::request::validate;
+    use proto::pb;
+
+    fn cmd(event: &str, expected: u64, kind: &str, schema: u32, amount: i64) -> AdvanceCommand {
+        validate(&pb::AdvanceRequest {
+            flow_id: "A".into(),
+            event_id: event.into(),
+            expected_seq: expected,
+            kind: kind.into(),
+            schema,
+            amount,
+        })
+        .unwrap()
+    }
+
+    fn run(conn: &mut Connection, c: &AdvanceCommand) -> AdvanceReply {
+        let tx = db::begin_immediate(conn).unwrap();
+        let reply = advance(&tx, c, &CrashSwitch::default(), 1).unwrap();
+        tx.commit().unwrap();
+        reply
+    }
+
+    #[test]
+    fn advance_table_of_spec_section_10() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut conn = open(&dir.path().join("p.db"), OpenMode::Create).unwrap();
+        assert_eq!(run(&mut conn, &cmd("A1", 0, "reserved", 1, 3)).outcome, AdvanceOutcome::Committed);
+        assert_eq!(run(&mut conn, &cmd("A2", 1, "confirmed", 1, 3)).outcome, AdvanceOutcome::Committed);
+        assert_eq!(run(&mut conn, &cmd("A3", 2, "released", 1, 3)).outcome, AdvanceOutcome::Committed);
+        let retry = run(&mut conn, &cmd("A1", 0, "reserved", 1, 3));
+        assert_eq!(retry.outcome, AdvanceOutcome::Existing);
+        assert_eq!(retry.flow.seq, 3);
+        assert_eq!(retry.flow.state, FlowState::Released);
+        assert_eq!(run(&mut conn, &cmd("A1", 0, "reserved", 1, 4)).outcome, AdvanceOutcome::Conflict);
+        assert_eq!(run(&mut conn, &cmd("A1", 0, "reserved", 2, 3)).outcome, AdvanceOutcome::Conflict);
+        let other_flow = AdvanceCommand { flow_id: "B".into(), ..cmd("A1", 0, "reserved", 1, 3) };
+        assert_eq!(run(&mut conn, &other_flow).outcome, AdvanceOutcome::Conflict);
+        assert_eq!(run(&mut conn, &cmd("A9", 1, "confirmed", 1, 3)).outcome, AdvanceOutcome::Stale);
+        assert_eq!(flow_outbox(&conn, "A").unwrap().len(), 3);
+    }
+
+    #[test]
+    fn illegal_steps_and_amount_changes_write_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut conn = open(&dir.path().join("p.db"), OpenMode::Create).unwrap();
+        assert!(matches!(
+            run(&mut conn, &cmd("A2", 0, "confirmed", 1, 3)).outcome,
+            AdvanceOutcome::InvalidTransition(_)
+        ));
+        assert_eq!(flow_record(&conn, "A").unwrap(), FlowRecord::NEW);
+        run(&mut conn, &cmd("A1", 0, "reserved", 1, 3));
+        assert!(matches!(
+            run(&mut conn, &cmd("A2", 1, "confirmed", 1, 5)).outcome,
+            AdvanceOutcome::InvalidTransition(TransitionError::AmountChanged { fixed: 3, got: 5 })
+        ));
+        assert!(matches!(
+            run(&mut conn, &cmd("A2", 1, "released", 1, 3)).outcome,
+            AdvanceOutcome::InvalidTransition(_)
+        ));
+        assert_eq!(flow_record(&conn, "A").unwrap().seq, 1);
+        assert_eq!(flow_outbox(&conn, "A").unwrap().len(), 1);
+    }
+
+    #[test]
+    fn unaccepted_rows_come_from_the_partial_index() {
+        let dir = tempfile::tempdir().unwrap();
+        let conn = open(&dir.path().join("p.db"), OpenMode::Create).unwrap();
+        let plan: Vec<String> = conn
+            .prepare(&format!("EXPLAIN QUERY PLAN {UNACCEPTED_PAGE_SQL}"))
+            .unwrap()
+            .query_map(params!["", 0, 10], |r| r.get::<_, String>(3))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        let plan = plan.join("\n");
+        assert!(plan.contains("USING INDEX outbox_unaccepted"), "{plan}");
+        assert!(!plan.contains("SCAN outbox\n") && !plan.ends_with("SCAN outbox"), "{plan}");
+        assert!(!plan.contains("TEMP B-TREE"), "{plan}");
+    }
+
+    #[test]
+    fn deliveries_are_recorded_and_marked() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut conn = open(&dir.path().join("p.db"), OpenMode::Create).unwrap();
+        run(&mut conn, &cmd("A1", 0, "reserved", 1, 3));
+        let tx = db::begin_immediate(&mut conn).unwrap();
+        assert!(record_delivery(&tx, "A1", "ID_CONFLICT", false, 5).unwrap());
+        assert!(!record_delivery(&tx, "nope", "ACCEPTED", true, 5).unwrap());
+        tx.commit().unwrap();
+        assert_eq!(unaccepted_after(&conn, ("", 0), 10).unwrap().len(), 1);
+        let tx = db::begin_immediate(&mut conn).unwrap();
+        assert!(record_delivery(&tx, "A1", "ACCEPTED", true, 6).unwrap());
+        assert!(record_delivery(&tx, "A1", "DUPLICATE", true, 7).unwrap());
+        tx.commit().unwrap();
+        let row = outbox_row(&conn, "A1").unwrap().unwrap();
+        assert!(row.accepted);
+        assert_eq!(row.attempts, 3);
+        assert_eq!(row.last_outcome.as_deref(), Some("DUPLICATE"));
+        assert!(unaccepted_after(&conn, ("", 0), 10).unwrap().is_empty());
+    }
+}

@@ -1,0 +1,175 @@
+//! The event body: the six fields of an event and its canonical JSON form, the stored and
+//! compared identity of an event. Keys are sorted here by hand at every level, so the bytes
+//! never depend on serde_json's map ordering features.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use serde::Deserialize;
+
+use crate::pb;
+
+/// The largest magnitude of an integer in a payload, and the largest `seq` (2^53).
+pub const MAX_SAFE_INT: i64 = 1 << 53;
+
+/// A payload member value: the transport allows scalars only.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Scalar {
+    Str(String),
+    Int(i64),
+    Bool(bool),
+    Null,
+}
+
+/// A payload: a flat JSON object. `BTreeMap` keeps the members sorted by key bytes, which is
+/// the canonical order.
+pub type Payload = BTreeMap<String, Scalar>;
+
+/// One immutable event, as committed by the producer and stored by the consumer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Event {
+    pub event_id: String,
+    pub flow_id: String,
+    pub seq: u64,
+    pub kind: String,
+    pub schema: u32,
+    pub payload: Payload,
+}
+
+impl Event {
+    /// The canonical body: `{"event_id","flow_id","kind","payload","schema","seq"}` with keys
+    /// sorted at every level and no insignificant whitespace. Two deliveries are the same
+    /// event iff these bytes are identical.
+    pub fn canonical_body(&self) -> String {
+        let mut out = String::with_capacity(128);
+        out.push_str("{\"event_id\":");
+        push_json_str(&mut out, &self.event_id);
+        out.push_str(",\"flow_id\":");
+        push_json_str(&mut out, &self.flow_id);
+        out.push_str(",\"kind\":");
+        push_json_str(&mut out, &self.kind);
+        out.push_str(",\"payload\":");
+        out.push_str(&canonical_payload(&self.payload));
+        // Writing into a String cannot fail.
+        let _ = write!(out, ",\"schema\":{},\"seq\":{}}}", self.schema, self.seq);
+        out
+    }
+
+    /// The envelope that carries this event on the wire (payload as canonical JSON text).
+    pub fn to_envelope(&self) -> pb::EventEnvelope {
+        pb::EventEnvelope {
+            event_id: self.event_id.clone(),
+            flow_id: self.flow_id.clone(),
+            seq: self.seq,
+            kind: self.kind.clone(),
+            schema: self.schema,
+            payload_json: canonical_payload(&self.payload),
+        }
+    }
+
+    /// Parses a stored canonical body back into an event. Stored bodies were produced by
+    /// [`Event::canonical_body`], so a failure here means the file was edited by hand.
+    pub fn from_canonical_body(body: &str) -> Result<Event, String> {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Stored {
+            event_id: String,
+            flow_id: String,
+            kind: String,
+            payload: serde_json::Value,
+            schema: u32,
+            seq: u64,
+        }
+        let stored: Stored =
+            serde_json::from_str(body).map_err(|e| format!("stored body is not an event: {e}"))?;
+        let payload_text = stored.payload.to_string();
+        let payload = crate::limits::parse_payload(&payload_text).map_err(|e| e.to_string())?;
+        Ok(Event {
+            event_id: stored.event_id,
+            flow_id: stored.flow_id,
+            seq: stored.seq,
+            kind: stored.kind,
+            schema: stored.schema,
+            payload,
+        })
+    }
+}
+
+/// The canonical JSON text of a payload: members sorted by key, no whitespace.
+pub fn canonical_payload(payload: &Payload) -> String {
+    let mut out = String::with_capacity(32);
+    out.push('{');
+    for (i, (key, value)) in payload.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        push_json_str(&mut out, key);
+        out.push(':');
+        match value {
+            Scalar::Str(s) => push_json_str(&mut out, s),
+            Scalar::Int(n) => {
+                let _ = write!(out, "{n}");
+            }
+            Scalar::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+            Scalar::Null => out.push_str("null"),
+        }
+    }
+    out.push('}');
+    out
+}
+
+fn push_json_str(out: &mut String, s: &str) {
+    // serde_json's string escaping is deterministic: `"`, `\` and control characters are
+    // escaped, everything else is written as UTF-8. Serializing a &str cannot fail.
+    out.push_str(&serde_json::to_string(s).unwrap_or_default());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limits::parse_payload;
+
+    fn event(payload_json: &str) -> Event {
+        Event {
+            event_id: "A1".into(),
+            flow_id: "A".into(),
+            seq: 1,
+            kind: "reserved".into(),
+            schema: 1,
+            payload: parse_payload(payload_json).expect("valid payload"),
+        }
+    }
+
+    #[test]
+    fn canonical_body_bytes_are_pinned() {
+        assert_eq!(
+            event(r#"{"amount":3}"#).canonical_body(),
+            r#"{"event_id":"A1","flow_id":"A","kind":"reserved","payload":{"amount":3},"schema":1,"seq":1}"#
+        );
+    }
+
+    #[test]
+    fn key_order_and_whitespace_do_not_change_the_body() {
+        let a = event(r#"{"z":"last","amount":3,"b":true,"n":null,"neg":-7}"#);
+        let b = event("{ \"neg\" : -7,\n\t\"n\":null , \"b\" : true, \"amount\":3 ,\"z\" :\"last\"}");
+        assert_eq!(a.canonical_body(), b.canonical_body());
+        assert_eq!(
+            a.canonical_body(),
+            r#"{"event_id":"A1","flow_id":"A","kind":"reserved","payload":{"amount":3,"b":true,"n":null,"neg":-7,"z":"last"},"schema":1,"seq":1}"#
+        );
+    }
+
+    #[test]
+    fn strings_are_escaped_deterministically() {
+        let e = event(r#"{"s":"quote\" back\\ tab\t é \u00e9 \u0001"}"#);
+        assert_eq!(canonical_payload(&e.payload), "{\"s\":\"quote\\\" back\\\\ tab\\t é é \\u0001\"}");
+    }
+
+    #[test]
+    fn body_round_trips() {
+        let e = event(r#"{"units":3,"note":"x"}"#);
+        let back = Event::from_canonical_body(&e.canonical_body()).expect("round trip");
+        assert_eq!(back, e);
+        assert_eq!(back.canonical_body(), e.canonical_body());
+    }
+}

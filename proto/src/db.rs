@@ -1,0 +1,244 @@
+//! SQLite connection settings every process must share (SPEC §2): WAL, `synchronous=FULL`,
+//! foreign keys, a busy timeout, `BEGIN IMMEDIATE` for every write, and a file identity
+//! (`application_id` + `user_version`) so a process refuses a file that is not its own.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use rusqlite::{Connection, OpenFlags, Transaction, TransactionBehavior};
+
+/// How long a connection waits for another writer before answering busy.
+pub const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What a database file is: its identity and the schema a new one gets.
+#[derive(Clone, Copy, Debug)]
+pub struct DbKind {
+    /// Human name for messages ("producer", "consumer").
+    pub name: &'static str,
+    /// `PRAGMA application_id` of this kind of file.
+    pub application_id: i32,
+    /// `PRAGMA user_version`: the schema version this build writes and reads.
+    pub user_version: i32,
+    /// DDL run once, inside `BEGIN IMMEDIATE`, on a new empty file.
+    pub schema_sql: &'static str,
+}
+
+/// The producer's database (`OEPR`).
+pub const PRODUCER_APPLICATION_ID: i32 = 0x4f45_5052;
+/// The consumer's database (`OECO`).
+pub const CONSUMER_APPLICATION_ID: i32 = 0x4f45_434f;
+
+/// Whether a missing or empty file may be created.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OpenMode {
+    /// Create the file and its schema if needed (the owning server).
+    Create,
+    /// The file must exist and have been created by its owner (the relay on producer.db).
+    Existing,
+}
+
+/// Why a database could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum DbError {
+    #[error("{path}: {source}")]
+    Sqlite { path: PathBuf, source: rusqlite::Error },
+    #[error("{path}: no such file (it is created by the {kind} on its first start)")]
+    Missing { path: PathBuf, kind: &'static str },
+    #[error("{path}: not a {kind} database ({what})")]
+    WrongKind { path: PathBuf, kind: &'static str, what: String },
+    #[error(
+        "{path}: {kind} database schema version {found} is newer than this build supports ({supported}); upgrade the binary"
+    )]
+    Newer { path: PathBuf, kind: &'static str, found: i32, supported: i32 },
+    #[error("{path}: has not been created by the {kind} yet (start the {kind} once first)")]
+    NotInitialised { path: PathBuf, kind: &'static str },
+}
+
+/// The settings a connection actually runs with, for the start-up log.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Effective {
+    pub journal_mode: String,
+    /// `PRAGMA synchronous` as a name: OFF, NORMAL, FULL or EXTRA.
+    pub synchronous: String,
+}
+
+/// Opens `path` as a database of `kind` with the shared settings, creating the schema on a
+/// new file in `Create` mode, and refusing a file of another kind or a newer version.
+pub fn open(path: &Path, kind: &DbKind, mode: OpenMode) -> Result<Connection, DbError> {
+    let sqlite = |source| DbError::Sqlite { path: path.to_owned(), source };
+    if mode == OpenMode::Existing && !path.exists() {
+        return Err(DbError::Missing { path: path.to_owned(), kind: kind.name });
+    }
+    let mut flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    if mode == OpenMode::Create {
+        flags |= OpenFlags::SQLITE_OPEN_CREATE;
+    }
+    let mut conn = Connection::open_with_flags(path, flags).map_err(sqlite)?;
+    conn.busy_timeout(BUSY_TIMEOUT).map_err(sqlite)?;
+    // WAL is a property of the file; setting it on a file that is not a database fails here
+    // with SQLite's own "file is not a database".
+    conn.pragma_update(None, "journal_mode", "WAL").map_err(sqlite)?;
+    conn.pragma_update(None, "synchronous", "FULL").map_err(sqlite)?;
+    conn.pragma_update(None, "foreign_keys", "ON").map_err(sqlite)?;
+    check_identity(&mut conn, path, kind, mode)?;
+    Ok(conn)
+}
+
+fn check_identity(conn: &mut Connection, path: &Path, kind: &DbKind, mode: OpenMode) -> Result<(), DbError> {
+    let sqlite = |source| DbError::Sqlite { path: path.to_owned(), source };
+    let (app_id, version) = identity(conn).map_err(sqlite)?;
+    if app_id == 0 {
+        if mode == OpenMode::Existing {
+            return Err(DbError::NotInitialised { path: path.to_owned(), kind: kind.name });
+        }
+        create_schema(conn, path, kind)?;
+        return check_identity(conn, path, kind, OpenMode::Existing);
+    }
+    if app_id != kind.application_id {
+        let what = match app_id {
+            PRODUCER_APPLICATION_ID => "it is a producer database".to_owned(),
+            CONSUMER_APPLICATION_ID => "it is a consumer database".to_owned(),
+            other => format!("application_id {other:#x}"),
+        };
+        return Err(DbError::WrongKind { path: path.to_owned(), kind: kind.name, what });
+    }
+    if version > kind.user_version {
+        return Err(DbError::Newer {
+            path: path.to_owned(),
+            kind: kind.name,
+            found: version,
+            supported: kind.user_version,
+        });
+    }
+    if version < kind.user_version {
+        return Err(DbError::WrongKind {
+            path: path.to_owned(),
+            kind: kind.name,
+            what: format!("schema version {version} predates this build's {}", kind.user_version),
+        });
+    }
+    Ok(())
+}
+
+/// Creates the schema of a new empty file under the write lock (another process may have
+/// raced us here, so the identity is read again inside the transaction).
+fn create_schema(conn: &mut Connection, path: &Path, kind: &DbKind) -> Result<(), DbError> {
+    let sqlite = |source| DbError::Sqlite { path: path.to_owned(), source };
+    let tx = begin_immediate(conn).map_err(sqlite)?;
+    let (app_id, _) = identity(&tx).map_err(sqlite)?;
+    if app_id == 0 {
+        let tables: i64 =
+            tx.query_row("SELECT count(*) FROM sqlite_schema", [], |r| r.get(0)).map_err(sqlite)?;
+        if tables > 0 {
+            return Err(DbError::WrongKind {
+                path: path.to_owned(),
+                kind: kind.name,
+                what: format!("it already has {tables} schema objects and no application_id"),
+            });
+        }
+        tx.execute_batch(kind.schema_sql).map_err(sqlite)?;
+        tx.pragma_update(None, "application_id", kind.application_id).map_err(sqlite)?;
+        tx.pragma_update(None, "user_version", kind.user_version).map_err(sqlite)?;
+        tx.commit().map_err(sqlite)?;
+        tracing::info!(path = %path.display(), kind = kind.name, version = kind.user_version, "created database schema");
+    }
+    Ok(())
+}
+
+fn identity(conn: &Connection) -> rusqlite::Result<(i32, i32)> {
+    let app_id = conn.query_row("PRAGMA application_id", [], |r| r.get(0))?;
+    let version = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+    Ok((app_id, version))
+}
+
+/// Opens a write transaction with `BEGIN IMMEDIATE`: it takes the write lock (waiting up to
+/// the busy timeout) before reading, so every decision is made on what it then reads.
+pub fn begin_immediate(conn: &mut Connection) -> rusqlite::Result<Transaction<'_>> {
+    conn.transaction_with_behavior(TransactionBehavior::Immediate)
+}
+
+/// The journal mode and synchronous level the connection actually runs with.
+pub fn effective(conn: &Connection) -> rusqlite::Result<Effective> {
+    let journal_mode: String = conn.query_row("PRAGMA journal_mode", [], |r| r.get(0))?;
+    let level: i64 = conn.query_row("PRAGMA synchronous", [], |r| r.get(0))?;
+    let synchronous = match level {
+        0 => "OFF",
+        1 => "NORMAL",
+        2 => "FULL",
+        3 => "EXTRA",
+        _ => "UNKNOWN",
+    }
+    .to_owned();
+    Ok(Effective { journal_mode, synchronous })
+}
+
+/// True when the error means another connection holds the lock (retry later).
+pub fn is_busy(e: &rusqlite::Error) -> bool {
+    matches!(
+        e.sqlite_error_code(),
+        Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked)
+    )
+}
+
+/// The gRPC status for a storage failure: busy or locked is `UNAVAILABLE` (retryable),
+/// anything else `INTERNAL`. The message says what failed; the call changed nothing that
+/// was not committed.
+pub fn storage_status(what: &str, e: &rusqlite::Error) -> tonic::Status {
+    if is_busy(e) {
+        tonic::Status::unavailable(format!("{what}: database is busy, retry: {e}"))
+    } else {
+        tonic::Status::internal(format!("{what}: storage failure: {e}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KIND: DbKind = DbKind {
+        name: "producer",
+        application_id: PRODUCER_APPLICATION_ID,
+        user_version: 1,
+        schema_sql: "CREATE TABLE t(x INTEGER);",
+    };
+
+    #[test]
+    fn settings_and_identity() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.db");
+        assert!(matches!(open(&path, &KIND, OpenMode::Existing), Err(DbError::Missing { .. })));
+        let conn = open(&path, &KIND, OpenMode::Create).unwrap();
+        let eff = effective(&conn).unwrap();
+        assert_eq!(eff.journal_mode, "wal");
+        assert_eq!(eff.synchronous, "FULL");
+        drop(conn);
+        // Reopening an existing file of the right kind works in both modes.
+        open(&path, &KIND, OpenMode::Existing).unwrap();
+        let other = DbKind { name: "consumer", application_id: CONSUMER_APPLICATION_ID, ..KIND };
+        let err = open(&path, &other, OpenMode::Create).unwrap_err();
+        assert!(err.to_string().contains("it is a producer database"), "{err}");
+        let conn = Connection::open(&path).unwrap();
+        conn.pragma_update(None, "user_version", 2).unwrap();
+        drop(conn);
+        assert!(matches!(open(&path, &KIND, OpenMode::Create), Err(DbError::Newer { found: 2, .. })));
+    }
+
+    #[test]
+    fn empty_file_is_not_initialised_for_the_relay() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("empty.db");
+        std::fs::write(&path, b"").unwrap();
+        assert!(matches!(open(&path, &KIND, OpenMode::Existing), Err(DbError::NotInitialised { .. })));
+    }
+
+    #[test]
+    fn foreign_files_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let text = dir.path().join("notes.txt");
+        std::fs::write(&text, "hello, this is not sqlite at all, not even close.......").unwrap();
+        assert!(open(&text, &KIND, OpenMode::Create).is_err());
+        let other = dir.path().join("other.db");
+        Connection::open(&other).unwrap().execute_batch("CREATE TABLE x(y);").unwrap();
+        assert!(matches!(open(&other, &KIND, OpenMode::Create), Err(DbError::WrongKind { .. })));
+    }
+}

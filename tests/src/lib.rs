@@ -1,0 +1,44 @@
+//! The multi-process harness shared by the test suite and the experiment runner: it starts
+//! the real `producer`, `consumer` and `relay` binaries on temp files, waits on readiness
+//! lines, exits and predicates (never on sleeps), and reads the database files back.
+
+pub mod db;
+pub mod proc;
+
+pub use proc::{Consumer, Producer, RelayRun, Workdir, bin_path, relay};
+
+use proto::pb;
+
+/// A producer `Advance` request with the reference amount (3).
+pub fn advance(flow: &str, event: &str, expected_seq: u64, kind: &str, schema: u32) -> pb::AdvanceRequest {
+    pb::AdvanceRequest {
+        flow_id: flow.into(),
+        event_id: event.into(),
+        expected_seq,
+        kind: kind.into(),
+        schema,
+        amount: 3,
+    }
+}
+
+/// The reference flow's three steps as envelopes (`<flow>1..3`, schema 1, amount 3), for
+/// feeding `Receive` directly.
+pub fn reference_envelopes(flow: &str) -> Vec<pb::EventEnvelope> {
+    ["reserved", "confirmed", "released"]
+        .iter()
+        .enumerate()
+        .map(|(i, kind)| envelope(flow, i as u64 + 1, kind, 1, r#"{"amount":3}"#))
+        .collect()
+}
+
+/// An envelope with event id `<flow><seq>`.
+pub fn envelope(flow: &str, seq: u64, kind: &str, schema: u32, payload_json: &str) -> pb::EventEnvelope {
+    pb::EventEnvelope {
+        event_id: format!("{flow}{seq}"),
+        flow_id: flow.into(),
+        seq,
+        kind: kind.into(),
+        schema,
+        payload_json: payload_json.into(),
+    }
+}

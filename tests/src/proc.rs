@@ -1,0 +1,342 @@
+//! Child processes: the servers (killed on drop, logs kept for failure messages) and relay
+//! runs (waited on with a deadline). Binaries come from `target/release` (or
+//! `ORDERED_EVENTS_BIN_DIR`); build them first with `cargo build --release --bins`.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use proto::pb;
+use proto::pb::consumer_client::ConsumerClient;
+use proto::pb::producer_client::ProducerClient;
+use tonic::transport::Channel;
+
+/// How long a server may take to print its address.
+pub const START_DEADLINE: Duration = Duration::from_secs(30);
+/// How long a one-shot relay run may take.
+pub const RELAY_DEADLINE: Duration = Duration::from_secs(60);
+
+/// The path of a built binary; panics with the command to run when it is missing.
+pub fn bin_path(name: &str) -> PathBuf {
+    let dir = match std::env::var_os("ORDERED_EVENTS_BIN_DIR") {
+        Some(dir) => PathBuf::from(dir),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release"),
+    };
+    let path = dir.join(name);
+    assert!(
+        path.is_file(),
+        "{} is missing: build the binaries first with `cargo build --release --bins` \
+         (or point ORDERED_EVENTS_BIN_DIR at them)",
+        path.display()
+    );
+    path
+}
+
+/// A temp directory for one test or scenario, with the conventional file names.
+pub struct Workdir {
+    pub dir: tempfile::TempDir,
+}
+
+impl Workdir {
+    pub fn new() -> Workdir {
+        Workdir { dir: tempfile::Builder::new().prefix("oe-test-").tempdir().expect("temp dir") }
+    }
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+    pub fn producer_db(&self) -> PathBuf {
+        self.path("producer.db")
+    }
+    pub fn consumer_db(&self) -> PathBuf {
+        self.path("consumer.db")
+    }
+}
+
+impl Default for Workdir {
+    fn default() -> Self {
+        Workdir::new()
+    }
+}
+
+/// A running server process. Killed (SIGKILL) and reaped on drop.
+pub struct ServerProcess {
+    child: Option<Child>,
+    pub addr: String,
+    pub log: PathBuf,
+}
+
+impl ServerProcess {
+    /// Starts `bin args…` with `env`, stderr to `log`, and waits for the first stdout line
+    /// (the bound address). Panics with the log when the process dies or the line is late.
+    pub fn start(bin: &str, args: &[String], env: &[(&str, &str)], log: PathBuf) -> ServerProcess {
+        let err = std::fs::File::create(&log).expect("create log file");
+        let mut cmd = Command::new(bin_path(bin));
+        cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(err);
+        for var in ENV_VARS {
+            cmd.env_remove(var);
+        }
+        cmd.env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()));
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().unwrap_or_else(|e| panic!("spawn {bin}: {e}"));
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut reader = BufReader::new(stdout);
+            let mut line = String::new();
+            let first = reader.read_line(&mut line).map(|_| line.trim().to_owned());
+            let _ = tx.send(first);
+            // Keep draining so the child never blocks on a full pipe, and catch stray output.
+            let mut rest = String::new();
+            let _ = reader.read_to_string(&mut rest);
+            if !rest.is_empty() {
+                eprintln!("unexpected extra stdout from a server: {rest:?}");
+            }
+        });
+        let mut server = ServerProcess { child: Some(child), addr: String::new(), log };
+        match rx.recv_timeout(START_DEADLINE) {
+            Ok(Ok(addr)) if !addr.is_empty() => server.addr = addr,
+            other => panic!(
+                "{bin} did not print its address within {START_DEADLINE:?} ({other:?}); log:\n{}",
+                server.log_text()
+            ),
+        }
+        server
+    }
+
+    /// `http://ADDR`, for clients and the relay.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Everything the process wrote to stderr so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits for the process to exit on its own (after a crash point, say).
+    pub fn wait_exit(&mut self, deadline: Duration) -> ExitStatus {
+        let child = self.child.as_mut().expect("process still owned");
+        let status = wait_with_deadline(child, deadline)
+            .unwrap_or_else(|| panic!("process did not exit within {deadline:?}; log:\n{}", self.log_text()));
+        self.child = None;
+        status
+    }
+
+    /// Sends SIGTERM and waits for a clean exit.
+    pub fn terminate(&mut self, deadline: Duration) -> ExitStatus {
+        let child = self.child.as_mut().expect("process still owned");
+        // SAFETY: plain kill(2) on our own child's pid.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        self.wait_exit(deadline)
+    }
+
+    /// SIGKILL, now.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Polls `child` until it exits or `deadline` passes.
+pub fn wait_with_deadline(child: &mut Child, deadline: Duration) -> Option<ExitStatus> {
+    let until = Instant::now() + deadline;
+    let mut pause = Duration::from_millis(1);
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Some(status);
+        }
+        if Instant::now() >= until {
+            return None;
+        }
+        // Backoff between polls of the child's state, not a wait for a guessed duration.
+        std::thread::park_timeout(pause);
+        pause = (pause * 2).min(Duration::from_millis(50));
+    }
+}
+
+/// Variables that must not leak from the test's environment into a child.
+const ENV_VARS: [&str; 8] = [
+    "ORDERED_EVENTS_PRODUCER_DB",
+    "ORDERED_EVENTS_PRODUCER_LISTEN",
+    "ORDERED_EVENTS_CONSUMER_DB",
+    "ORDERED_EVENTS_CONSUMER_LISTEN",
+    "ORDERED_EVENTS_SUPPORT_V2",
+    "ORDERED_EVENTS_CONSUMER_URL",
+    "ORDERED_EVENTS_CRASH_AT",
+    "ORDERED_EVENTS_LOG_FORMAT",
+];
+
+/// A running producer and a way to call it.
+pub struct Producer {
+    pub process: ServerProcess,
+    pub db: PathBuf,
+}
+
+impl Producer {
+    pub fn start(work: &Workdir, env: &[(&str, &str)]) -> Producer {
+        Self::start_on(work.producer_db(), work.path("producer.log"), env)
+    }
+
+    pub fn start_on(db: PathBuf, log: PathBuf, env: &[(&str, &str)]) -> Producer {
+        let args = vec!["--db".into(), db.display().to_string(), "--listen".into(), "127.0.0.1:0".into()];
+        Producer { process: ServerProcess::start("producer", &args, env, log), db }
+    }
+
+    pub async fn client(&self) -> ProducerClient<Channel> {
+        ProducerClient::new(connect(&self.process.url()).await)
+    }
+
+    /// One `Advance`, unwrapping the transport (the answer is what tests look at).
+    pub async fn advance(&self, req: pb::AdvanceRequest) -> pb::AdvanceResponse {
+        self.client().await.advance(req).await.expect("Advance call").into_inner()
+    }
+}
+
+/// A running consumer and a way to call it.
+pub struct Consumer {
+    pub process: ServerProcess,
+    pub db: PathBuf,
+}
+
+impl Consumer {
+    pub fn start(work: &Workdir, support_v2: bool, env: &[(&str, &str)]) -> Consumer {
+        Self::start_on(work.consumer_db(), work.path("consumer.log"), support_v2, env)
+    }
+
+    pub fn start_on(db: PathBuf, log: PathBuf, support_v2: bool, env: &[(&str, &str)]) -> Consumer {
+        let mut args = vec!["--db".into(), db.display().to_string(), "--listen".into(), "127.0.0.1:0".into()];
+        if support_v2 {
+            args.push("--support-v2".into());
+        }
+        Consumer { process: ServerProcess::start("consumer", &args, env, log), db }
+    }
+
+    pub async fn client(&self) -> ConsumerClient<Channel> {
+        ConsumerClient::new(connect(&self.process.url()).await)
+    }
+
+    /// Sends `envelopes` over one `Receive` stream and returns every answer, in order.
+    pub async fn receive(&self, envelopes: Vec<pb::EventEnvelope>) -> Vec<pb::ReceiveResult> {
+        let mut client = self.client().await;
+        let mut stream =
+            client.receive(tokio_stream::iter(envelopes)).await.expect("Receive call").into_inner();
+        let mut out = Vec::new();
+        while let Some(result) = stream.message().await.expect("Receive stream") {
+            out.push(result);
+        }
+        out
+    }
+
+    /// One `Apply` with the default step limit.
+    pub async fn apply(&self, flow: &str) -> pb::ApplyResult {
+        self.client()
+            .await
+            .apply(pb::ApplyRequest { flow_id: flow.into(), max_steps: 0 })
+            .await
+            .expect("Apply call")
+            .into_inner()
+    }
+
+    pub async fn get_flow(&self, flow: &str) -> pb::ConsumerFlow {
+        self.client()
+            .await
+            .get_flow(pb::GetFlowRequest { flow_id: flow.into() })
+            .await
+            .expect("GetFlow call")
+            .into_inner()
+    }
+}
+
+/// Connects to a server that already printed its address.
+pub async fn connect(url: &str) -> Channel {
+    Channel::from_shared(url.to_owned())
+        .expect("valid url")
+        .connect()
+        .await
+        .unwrap_or_else(|e| panic!("connect {url}: {e}"))
+}
+
+/// The outcome of one relay run.
+#[derive(Debug)]
+pub struct RelayRun {
+    pub code: Option<i32>,
+    /// Parsed stdout JSON lines.
+    pub lines: Vec<serde_json::Value>,
+    pub stderr: String,
+}
+
+impl RelayRun {
+    /// The `delivery` lines' outcomes, in order.
+    pub fn outcomes(&self) -> Vec<String> {
+        self.deliveries().map(|d| d["outcome"].as_str().unwrap_or_default().to_owned()).collect()
+    }
+
+    /// The `delivery` lines.
+    pub fn deliveries(&self) -> impl Iterator<Item = &serde_json::Value> {
+        self.lines.iter().filter(|l| l["type"] == "delivery")
+    }
+
+    /// The final `summary` line.
+    pub fn summary(&self) -> &serde_json::Value {
+        self.lines
+            .iter()
+            .rev()
+            .find(|l| l["type"] == "summary")
+            .unwrap_or_else(|| panic!("relay printed no summary line; stderr:\n{}", self.stderr))
+    }
+}
+
+/// Runs `relay --producer-db DB --consumer URL <args…>` to completion (with a deadline).
+pub fn relay(producer_db: &Path, consumer_url: &str, args: &[&str], env: &[(&str, &str)]) -> RelayRun {
+    let mut cmd = Command::new(bin_path("relay"));
+    cmd.arg("--producer-db").arg(producer_db).arg("--consumer").arg(consumer_url).args(args);
+    for var in ENV_VARS {
+        cmd.env_remove(var);
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("spawn relay");
+    let mut stdout = child.stdout.take().expect("piped");
+    let mut stderr = child.stderr.take().expect("piped");
+    let out_reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stdout.read_to_string(&mut s);
+        s
+    });
+    let err_reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    let status = wait_with_deadline(&mut child, RELAY_DEADLINE);
+    if status.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let out = out_reader.join().unwrap_or_default();
+    let stderr = err_reader.join().unwrap_or_default();
+    let status = status
+        .unwrap_or_else(|| panic!("relay {args:?} did not finish in {RELAY_DEADLINE:?}; stderr:\n{stderr}"));
+    let lines = out
+        .lines()
+        .map(|l| {
+            serde_json::from_str(l)
+                .unwrap_or_else(|e| panic!("relay stdout line is not JSON ({e}): {l:?}\nstderr:\n{stderr}"))
+        })
+        .collect();
+    RelayRun { code: status.code(), lines, stderr }
+}

@@ -1,0 +1,4 @@
+//! The multi-process test suite: real binaries, real files, one module per topic.
+//! Build the binaries first: `cargo build --release --bins`.
+
+mod producer;
