@@ -1,1 +1,47 @@
-//! placeholder
+//! The relay: crosses the two commit domains. It reads unaccepted outbox rows from
+//! producer.db (only through `producer::store`), streams them into the consumer's
+//! `Receive`, and marks a row accepted only after the consumer answered that it durably
+//! holds it (`ACCEPTED` or `DUPLICATE`). Everything else leaves the row unaccepted.
+
+pub mod ledger;
+pub mod output;
+pub mod pass;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use proto::crash::CrashSwitch;
+
+pub use pass::{RelayError, run};
+
+/// What the relay does in this run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Deliver the first unaccepted row by `(flow_id, seq)` (the reference's default; it
+    /// starves later flows while that row keeps conflicting, by design).
+    Once,
+    /// Deliver this event, accepted or not.
+    Send { event_id: String },
+    /// Deliver every deliverable unaccepted row, skipping the rest of a flow whose row was
+    /// answered with a conflict or rejection; exit when nothing deliverable is left.
+    Drain,
+    /// Like drain, continuously, until SIGTERM.
+    Run,
+}
+
+/// Validated settings of one relay process.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub producer_db: PathBuf,
+    pub consumer_url: String,
+    pub mode: Mode,
+    /// Envelopes in flight on the Receive stream before waiting for an answer.
+    pub window: usize,
+    /// `run`: pause between polls when nothing was deliverable.
+    pub poll_interval: Duration,
+    /// `run`: the cap of the reconnect (and conflicted-flow retry) backoff.
+    pub max_backoff: Duration,
+    /// `once`, `send`, `drain`: give up connecting after this long.
+    pub connect_deadline: Duration,
+    pub crash: CrashSwitch,
+}

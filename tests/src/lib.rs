@@ -2,6 +2,7 @@
 //! the real `producer`, `consumer` and `relay` binaries on temp files, waits on readiness
 //! lines, exits and predicates (never on sleeps), and reads the database files back.
 
+pub mod background;
 pub mod db;
 pub mod proc;
 

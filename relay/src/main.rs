@@ -1,0 +1,105 @@
+//! `relay`: moves committed outbox rows from producer.db into the consumer's inbox.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use proto::serve::LogFormat;
+
+/// Streams unaccepted outbox rows from producer.db into the consumer's Receive RPC and marks
+/// a row accepted only after the consumer answered ACCEPTED or DUPLICATE (it durably holds
+/// the event). Conflicts and rejections are never marked: they wait for an operator.
+///
+/// stdout carries JSON lines only: one {"type":"delivery",...} per answered envelope and a
+/// final {"type":"summary",...}. Exit codes: 0 every answer ACCEPTED/DUPLICATE (or idle);
+/// 3 at least one conflict or rejection; 1 operational error (consumer unreachable, database
+/// unusable); 2 usage; 73 crash point.
+#[derive(Debug, Parser)]
+#[command(name = "relay", version)]
+struct Args {
+    /// producer.db path; it must already have been created by the producer.
+    #[arg(long, env = "ORDERED_EVENTS_PRODUCER_DB", value_name = "FILE", global = true)]
+    producer_db: Option<PathBuf>,
+    /// The consumer's gRPC URL, e.g. http://127.0.0.1:50052.
+    #[arg(long, env = "ORDERED_EVENTS_CONSUMER_URL", value_name = "URL", global = true)]
+    consumer: Option<String>,
+    /// Envelopes in flight on the stream before waiting for an answer.
+    #[arg(long, env = "ORDERED_EVENTS_RELAY_WINDOW", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096), global = true)]
+    window: u32,
+    /// Log format on stderr.
+    #[arg(long, env = "ORDERED_EVENTS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    mode: ModeArg,
+}
+
+#[derive(Debug, Subcommand)]
+enum ModeArg {
+    /// Deliver the first unaccepted row by (flow_id, seq): the reference's default. While that
+    /// row keeps conflicting, later flows are never reached (use drain or send).
+    Once,
+    /// Deliver one chosen event, accepted or not.
+    Send {
+        /// The outbox row's event_id.
+        #[arg(long, value_name = "ID")]
+        event_id: String,
+    },
+    /// Deliver every deliverable unaccepted row; a flow whose row is refused gets no more rows
+    /// in this run. Exits when nothing deliverable is left.
+    Drain,
+    /// Deliver continuously until SIGTERM/SIGINT, picking up newly committed rows, reconnecting
+    /// with capped exponential backoff while the consumer is unreachable.
+    Run {
+        /// Pause between polls when nothing was deliverable, in milliseconds.
+        #[arg(long, env = "ORDERED_EVENTS_RELAY_POLL_MS", default_value_t = 100)]
+        poll_ms: u64,
+        /// Cap of the reconnect backoff, in milliseconds.
+        #[arg(long, env = "ORDERED_EVENTS_RELAY_MAX_BACKOFF_MS", default_value_t = 5000)]
+        max_backoff_ms: u64,
+    },
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    proto::serve::init_tracing(args.log_format);
+    let (Some(producer_db), Some(consumer_url)) = (args.producer_db, args.consumer) else {
+        eprintln!(
+            "relay: error: --producer-db (ORDERED_EVENTS_PRODUCER_DB) and --consumer (ORDERED_EVENTS_CONSUMER_URL) are required"
+        );
+        return ExitCode::from(2);
+    };
+    let crash = match proto::crash::CrashSwitch::from_env() {
+        Ok(crash) => crash,
+        Err(e) => {
+            eprintln!("relay: error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let (mode, poll_interval, max_backoff) = match args.mode {
+        ModeArg::Once => (relay::Mode::Once, Duration::ZERO, Duration::ZERO),
+        ModeArg::Send { event_id } => (relay::Mode::Send { event_id }, Duration::ZERO, Duration::ZERO),
+        ModeArg::Drain => (relay::Mode::Drain, Duration::ZERO, Duration::ZERO),
+        ModeArg::Run { poll_ms, max_backoff_ms } => {
+            (relay::Mode::Run, Duration::from_millis(poll_ms), Duration::from_millis(max_backoff_ms.max(1)))
+        }
+    };
+    let config = relay::Config {
+        producer_db,
+        consumer_url,
+        mode,
+        window: args.window as usize,
+        poll_interval,
+        max_backoff,
+        connect_deadline: Duration::from_secs(10),
+        crash,
+    };
+    match relay::run(config, proto::serve::shutdown_signal()).await {
+        Ok(code) => ExitCode::from(code as u8),
+        Err(e) => {
+            eprintln!("relay: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,103 @@
+//! Long-running relay processes (`relay run`): started in the background with their stdout
+//! and stderr in files, stopped with SIGTERM, their JSON lines read back.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::proc::{RelayRun, bin_path, wait_with_deadline};
+
+/// A `relay run` child. Killed on drop if still running.
+pub struct RelayDaemon {
+    child: Option<Child>,
+    pub stdout: PathBuf,
+    pub stderr: PathBuf,
+}
+
+impl RelayDaemon {
+    /// Starts `relay --producer-db DB --consumer URL run <extra…>`.
+    pub fn start(
+        dir: &Path,
+        name: &str,
+        producer_db: &Path,
+        consumer_url: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> RelayDaemon {
+        let stdout = dir.join(format!("{name}.out"));
+        let stderr = dir.join(format!("{name}.err"));
+        let mut cmd = Command::new(bin_path("relay"));
+        cmd.arg("--producer-db").arg(producer_db).arg("--consumer").arg(consumer_url).arg("run").args(extra);
+        cmd.env_remove("ORDERED_EVENTS_CRASH_AT");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        cmd.stdin(Stdio::null())
+            .stdout(std::fs::File::create(&stdout).expect("relay stdout file"))
+            .stderr(std::fs::File::create(&stderr).expect("relay stderr file"));
+        let child = cmd.spawn().expect("spawn relay run");
+        RelayDaemon { child: Some(child), stdout, stderr }
+    }
+
+    /// What the relay logged so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    /// True while the process has not exited.
+    pub fn is_running(&mut self) -> bool {
+        self.child.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
+    /// SIGTERM, wait for the exit, and read its lines.
+    pub fn terminate(mut self, deadline: Duration) -> RelayRun {
+        let mut child = self.child.take().expect("running relay");
+        // SAFETY: plain kill(2) on our own child's pid.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let status = wait_with_deadline(&mut child, deadline);
+        if status.is_none() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let stderr = self.log_text();
+        let status =
+            status.unwrap_or_else(|| panic!("relay run ignored SIGTERM for {deadline:?}; log:\n{stderr}"));
+        let out = std::fs::read_to_string(&self.stdout).unwrap_or_default();
+        let lines = out
+            .lines()
+            .map(|l| {
+                serde_json::from_str(l).unwrap_or_else(|e| panic!("relay stdout is not JSON ({e}): {l:?}"))
+            })
+            .collect();
+        RelayRun { code: status.code(), lines, stderr }
+    }
+}
+
+impl Drop for RelayDaemon {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Polls `check` until it returns `Some` or `deadline` passes; panics with `describe()` (the
+/// last state seen) on time-out.
+pub fn wait_for<T>(
+    deadline: Duration,
+    mut check: impl FnMut() -> Option<T>,
+    describe: impl Fn() -> String,
+) -> T {
+    let until = Instant::now() + deadline;
+    let mut pause = Duration::from_millis(2);
+    loop {
+        if let Some(v) = check() {
+            return v;
+        }
+        assert!(Instant::now() < until, "condition not met within {deadline:?}; last state: {}", describe());
+        // A pause between polls of a predicate, not a guess at how long something takes.
+        std::thread::park_timeout(pause);
+        pause = (pause * 2).min(Duration::from_millis(50));
+    }
+}
