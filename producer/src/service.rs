@@ -70,7 +70,14 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
     let svc = pb::producer_server::ProducerServer::new(service);
-    proto::serve::serve(listener, "ordered_events.v1.Producer", |r| r.add_service(svc), shutdown).await
+    proto::serve::serve(
+        listener,
+        "ordered_events.v1.Producer",
+        |r| r.add_service(svc),
+        shutdown,
+        proto::serve::SHUTDOWN_GRACE,
+    )
+    .await
 }
 
 fn now_us() -> i64 {

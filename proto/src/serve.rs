@@ -5,6 +5,7 @@
 use std::future::Future;
 use std::io::Write as _;
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tonic::transport::Server;
@@ -57,14 +58,20 @@ pub async fn shutdown_signal() {
     }
 }
 
+/// How long in-flight calls may take to finish after a shutdown signal before the
+/// remaining connections are dropped.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
 /// Serves `add(router)` on `listener` beside health (for "" and `service_name`) and both
 /// reflection versions, until `shutdown` completes. Health goes `NOT_SERVING` first, then
-/// in-flight calls finish.
+/// in-flight calls get up to `grace` to finish (a client that keeps its connection open
+/// cannot hold the process forever).
 pub async fn serve<F>(
     listener: TcpListener,
     service_name: &'static str,
     add: impl FnOnce(Router) -> Router,
     shutdown: F,
+    grace: Duration,
 ) -> Result<(), tonic::transport::Error>
 where
     F: Future<Output = ()> + Send,
@@ -91,12 +98,26 @@ where
     let router = Server::builder().add_service(health).add_service(v1).add_service(v1alpha);
     let router = add(router);
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-    router
-        .serve_with_incoming_shutdown(incoming, async move {
-            shutdown.await;
-            reporter.set_service_status("", ServingStatus::NotServing).await;
-            reporter.set_service_status(service_name, ServingStatus::NotServing).await;
-            tracing::info!("health NOT_SERVING; draining in-flight calls");
-        })
-        .await
+    let (stopping_tx, stopping_rx) = tokio::sync::oneshot::channel::<()>();
+    let served = router.serve_with_incoming_shutdown(incoming, async move {
+        shutdown.await;
+        reporter.set_service_status("", ServingStatus::NotServing).await;
+        reporter.set_service_status(service_name, ServingStatus::NotServing).await;
+        tracing::info!(grace = ?grace, "health NOT_SERVING; draining in-flight calls");
+        let _ = stopping_tx.send(());
+    });
+    let grace_over = async move {
+        if stopping_rx.await.is_ok() {
+            tokio::time::sleep(grace).await;
+        } else {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::select! {
+        result = served => result,
+        () = grace_over => {
+            tracing::warn!(grace = ?grace, "grace period over; dropping the connections still open");
+            Ok(())
+        }
+    }
 }

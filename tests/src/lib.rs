@@ -5,6 +5,8 @@
 pub mod background;
 pub mod db;
 pub mod proc;
+pub mod race;
+pub mod scenarios;
 
 pub use proc::{Consumer, Producer, RelayRun, Workdir, bin_path, relay};
 

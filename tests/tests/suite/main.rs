@@ -2,3 +2,5 @@
 //! Build the binaries first: `cargo build --release --bins`.
 
 mod producer;
+mod relay;
+mod scenarios;

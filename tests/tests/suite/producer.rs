@@ -8,7 +8,7 @@ fn outcome(r: &proto::pb::AdvanceResponse) -> AdvanceOutcome {
     AdvanceOutcome::try_from(r.outcome).expect("known outcome")
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn advance_table() {
     let work = Workdir::new();
     let producer = Producer::start(&work, &[]);
@@ -43,7 +43,7 @@ async fn advance_table() {
     assert_eq!(db::flows(&producer.db).len(), 1);
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn schema_2_emits_units_and_get_flow_shows_the_outbox() {
     let work = Workdir::new();
     let producer = Producer::start(&work, &[]);
@@ -71,7 +71,7 @@ async fn schema_2_emits_units_and_get_flow_shows_the_outbox() {
     assert_eq!((unknown.seq, unknown.state.as_str(), unknown.outbox.len()), (0, "new", 0));
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_requests_are_invalid_argument_and_write_nothing() {
     let work = Workdir::new();
     let producer = Producer::start(&work, &[]);
@@ -95,7 +95,7 @@ async fn malformed_requests_are_invalid_argument_and_write_nothing() {
 
 /// Crash before commit leaves neither the flow nor the outbox row; after commit leaves
 /// both, and the retry answers EXISTING.
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_points() {
     for (point, committed) in [
         ("producer.after_flow_update", false),
@@ -131,7 +131,7 @@ async fn crash_points() {
 }
 
 /// An EXISTING answer writes nothing, so it never reaches a crash point.
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn existing_does_not_fire_a_crash_point() {
     let work = Workdir::new();
     let producer = Producer::start(&work, &[]);

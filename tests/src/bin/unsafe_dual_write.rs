@@ -1,0 +1,19 @@
+//! Negative control (test code only, never in the services): the unsafe dual write. It
+//! commits the flow's state change in one transaction and dies (`_exit(81)`) before writing
+//! the outbox row in a second one, so the state moves while no event exists to relay.
+//!
+//! Usage: unsafe_dual_write PRODUCER_DB FLOW_ID
+
+fn main() -> anyhow::Result<()> {
+    let mut args = std::env::args().skip(1);
+    let (Some(db), Some(flow)) = (args.next(), args.next()) else {
+        anyhow::bail!("usage: unsafe_dual_write PRODUCER_DB FLOW_ID");
+    };
+    let conn = rusqlite::Connection::open(db)?;
+    conn.execute_batch("PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL;")?;
+    conn.execute("INSERT INTO flow(flow_id, seq, state, amount) VALUES (?1, 1, 'reserved', 3)", [&flow])?;
+    // The state change is committed (autocommit); the outbox write would come next.
+    eprintln!("unsafe_dual_write: flow committed, dying before the outbox write");
+    // SAFETY: _exit ends the process at once, which is the point of this control.
+    unsafe { libc::_exit(81) };
+}
