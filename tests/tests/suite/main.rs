@@ -4,3 +4,4 @@
 mod producer;
 mod relay;
 mod scenarios;
+mod walkthrough;
