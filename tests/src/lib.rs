@@ -5,7 +5,7 @@
 pub mod db;
 pub mod proc;
 
-pub use proc::{Consumer, Producer, RelayRun, Workdir, bin_path, relay};
+pub use proc::{Consumer, Finished, Producer, RelayRun, Workdir, bin_path, relay, run_to_exit};
 
 use proto::pb;
 
