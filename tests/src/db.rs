@@ -14,6 +14,16 @@ pub fn open_ro(path: &Path) -> Connection {
     conn
 }
 
+/// Runs `sql` on a database file from outside the services: test setup only (a trigger that
+/// rejects a write, say), done while no service holds the file.
+pub fn execute(path: &Path, sql: &str) {
+    let conn =
+        Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_CREATE)
+            .unwrap_or_else(|e| panic!("open {}: {e}", path.display()));
+    conn.busy_timeout(std::time::Duration::from_secs(10)).expect("busy timeout");
+    conn.execute_batch(sql).unwrap_or_else(|e| panic!("{}: {sql}: {e}", path.display()));
+}
+
 /// A producer `flow` row.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct FlowRow {

@@ -8,7 +8,7 @@ pub mod proc;
 pub mod race;
 pub mod scenarios;
 
-pub use proc::{Consumer, Producer, RelayRun, Workdir, bin_path, relay};
+pub use proc::{Consumer, Finished, Producer, RelayRun, Workdir, bin_path, relay, run_to_exit};
 
 use proto::pb;
 

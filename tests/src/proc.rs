@@ -257,6 +257,70 @@ impl Consumer {
             .expect("GetFlow call")
             .into_inner()
     }
+
+    /// One `ApplyAll` (`max_steps` 0 is the default).
+    pub async fn apply_all(&self, max_steps: u32) -> pb::ApplyAllResponse {
+        self.client()
+            .await
+            .apply_all(pb::ApplyAllRequest { max_steps })
+            .await
+            .expect("ApplyAll call")
+            .into_inner()
+    }
+
+    /// One `ListStuck` (`limit` 0 is the default).
+    pub async fn list_stuck(&self, limit: u32) -> pb::ListStuckResponse {
+        self.client()
+            .await
+            .list_stuck(pb::ListStuckRequest { limit })
+            .await
+            .expect("ListStuck call")
+            .into_inner()
+    }
+}
+
+/// A process run to completion.
+#[derive(Debug)]
+pub struct Finished {
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Runs `bin args…` with `env` (and none of the `ORDERED_EVENTS_*` variables of the test's
+/// own environment) until it exits, for start-up errors and `--help`; panics after `deadline`.
+pub fn run_to_exit(bin: &str, args: &[&str], env: &[(&str, &str)], deadline: Duration) -> Finished {
+    let mut cmd = Command::new(bin_path(bin));
+    cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    for var in ENV_VARS {
+        cmd.env_remove(var);
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().unwrap_or_else(|e| panic!("spawn {bin}: {e}"));
+    let mut stdout = child.stdout.take().expect("piped");
+    let mut stderr = child.stderr.take().expect("piped");
+    let out_reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stdout.read_to_string(&mut s);
+        s
+    });
+    let err_reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    let status = wait_with_deadline(&mut child, deadline);
+    if status.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let stdout = out_reader.join().unwrap_or_default();
+    let stderr = err_reader.join().unwrap_or_default();
+    let status = status
+        .unwrap_or_else(|| panic!("{bin} {args:?} did not exit within {deadline:?}; stderr:\n{stderr}"));
+    Finished { code: status.code(), stdout, stderr }
 }
 
 /// Connects to a server that already printed its address.

@@ -1,0 +1,402 @@
+//! The `ordered_events.v1.Consumer` gRPC service: checks transport limits and requests, runs
+//! every SQLite call on a blocking thread, answers each envelope only after its commit, and
+//! maps domain outcomes and storage failures to the wire in one place.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use proto::crash::{CrashPoint, CrashSwitch};
+use proto::db::{self, storage_status};
+use proto::pb;
+use rusqlite::Connection;
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::apply::{self, ApplyFailure, ApplyOptions, ApplyReport, Stop};
+use crate::request;
+use crate::rules::{BlockReason, Waiting, why_waiting};
+use crate::store::{self, EffectRecord, InboxRecord, ReceiveOutcome, StoreError};
+
+/// What the consumer needs to run (validated flags).
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub db: PathBuf,
+    /// Decode schema 2 (`{"units": n}`).
+    pub support_v2: bool,
+    pub crash: CrashSwitch,
+}
+
+/// Answers buffered per `Receive` stream before the reader waits for the client.
+const RECEIVE_BUFFER: usize = 64;
+
+/// The service state: one connection to consumer.db, used on blocking threads only, and
+/// the stop signal that ends open `Receive` streams at shutdown.
+#[derive(Clone)]
+pub struct ConsumerService {
+    conn: Arc<Mutex<Connection>>,
+    opts: ApplyOptions,
+    stopping: Arc<watch::Sender<bool>>,
+}
+
+impl ConsumerService {
+    /// Opens (creating if needed) consumer.db and logs the effective settings.
+    pub fn open(config: &Config) -> Result<ConsumerService, db::DbError> {
+        let conn = store::open(&config.db)?;
+        let eff =
+            db::effective(&conn).map_err(|source| db::DbError::Sqlite { path: config.db.clone(), source })?;
+        tracing::info!(
+            db = %config.db.display(),
+            journal_mode = %eff.journal_mode,
+            synchronous = %eff.synchronous,
+            v2_decoder = if config.support_v2 { "enabled" } else { "disabled" },
+            "consumer database open"
+        );
+        Ok(ConsumerService {
+            conn: Arc::new(Mutex::new(conn)),
+            opts: ApplyOptions { support_v2: config.support_v2, crash: config.crash },
+            stopping: Arc::new(watch::channel(false).0),
+        })
+    }
+
+    /// Runs `f` with the connection on a blocking thread (SQLite never blocks the runtime).
+    async fn with_conn<T, F>(&self, f: F) -> Result<T, Status>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut Connection) -> Result<T, Status> + Send + 'static,
+    {
+        let conn = Arc::clone(&self.conn);
+        tokio::task::spawn_blocking(move || f(&mut apply::lock(&conn)))
+            .await
+            .map_err(|e| Status::internal(format!("storage task failed: {e}")))?
+    }
+
+    /// Runs `f` on a blocking thread with the shared connection (it locks per step).
+    async fn with_shared<T, F>(&self, f: F) -> Result<T, Status>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Mutex<Connection>) -> T + Send + 'static,
+    {
+        let conn = Arc::clone(&self.conn);
+        tokio::task::spawn_blocking(move || f(&conn))
+            .await
+            .map_err(|e| Status::internal(format!("storage task failed: {e}")))
+    }
+
+    /// Reads `inbound` until the client half-closes, answering each envelope in order; stops
+    /// after the first storage failure (sent as the stream's error status), when the client
+    /// goes away, or at shutdown (after answering everything read).
+    async fn answer_stream(self, mut inbound: Streaming<pb::EventEnvelope>, answers: mpsc::Sender<Answer>) {
+        let mut stopping = self.stopping.subscribe();
+        loop {
+            let envelope = tokio::select! {
+                biased;
+                // The guard `wait_for` returns must not live across an await: drop it inside.
+                _ = async { drop(stopping.wait_for(|stop| *stop).await) } => {
+                    tracing::info!("shutting down: ending a Receive stream; every envelope read was answered");
+                    return;
+                }
+                message = inbound.message() => match message {
+                    Ok(Some(envelope)) => envelope,
+                    Ok(None) => return,
+                    Err(status) => {
+                        // The request stream is broken (reset, or a message that does not
+                        // decode): nothing more can be read, so nothing more is answered.
+                        tracing::debug!(%status, "Receive request stream failed");
+                        let _ = answers.send(Err(status)).await;
+                        return;
+                    }
+                },
+            };
+            let answer = self.receive_one(envelope).await;
+            let failed = answer.is_err();
+            if answers.send(answer).await.is_err() {
+                tracing::debug!("Receive client went away");
+                return;
+            }
+            if failed {
+                return;
+            }
+        }
+    }
+
+    /// One envelope: transport limits (REJECTED, nothing stored), else one `BEGIN IMMEDIATE`
+    /// through `store::insert_pending`, committed before the answer exists.
+    async fn receive_one(&self, envelope: pb::EventEnvelope) -> Answer {
+        let event = match proto::limits::check_envelope(&envelope) {
+            Ok(event) => event,
+            Err(limit) => {
+                return Ok(pb::ReceiveResult {
+                    event_id: envelope.event_id,
+                    outcome: pb::ReceiveOutcome::Rejected as i32,
+                    detail: limit.to_string(),
+                });
+            }
+        };
+        let crash = self.opts.crash;
+        let (event, outcome) = self
+            .with_conn(move |conn| {
+                let tx = db::begin_immediate(conn).map_err(|e| storage_status("receive", &e))?;
+                let outcome = store::insert_pending(&tx, &event, crate::now_us())
+                    .map_err(|e| store_status("receive", &e))?;
+                if outcome == ReceiveOutcome::Accepted {
+                    crash.reach(CrashPoint::ConsumerReceiveAfterInsert);
+                    tx.commit().map_err(|e| storage_status("receive commit", &e))?;
+                    crash.reach(CrashPoint::ConsumerReceiveAfterCommit);
+                }
+                Ok((event, outcome))
+            })
+            .await?;
+        tracing::debug!(event_id = %event.event_id, flow_id = %event.flow_id, seq = event.seq, ?outcome, "receive");
+        let detail = match &outcome {
+            ReceiveOutcome::Accepted | ReceiveOutcome::Duplicate => String::new(),
+            ReceiveOutcome::IdConflict => "event_id is already stored with a different body".to_owned(),
+            ReceiveOutcome::SequenceConflict { held_by } => {
+                format!("seq {} of flow {} is held by event {held_by}", event.seq, event.flow_id)
+            }
+        };
+        Ok(pb::ReceiveResult {
+            event_id: event.event_id,
+            outcome: pb::ReceiveOutcome::from(&outcome) as i32,
+            detail,
+        })
+    }
+}
+
+type Answer = Result<pb::ReceiveResult, Status>;
+
+/// Serves the consumer on `listener` until `shutdown` completes; open `Receive` streams then
+/// end after answering what they read, and in-flight calls drain.
+pub async fn run(
+    service: ConsumerService,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
+    let stopping = Arc::clone(&service.stopping);
+    let shutdown = async move {
+        shutdown.await;
+        stopping.send_replace(true);
+    };
+    let svc = pb::consumer_server::ConsumerServer::new(service);
+    proto::serve::serve(
+        listener,
+        "ordered_events.v1.Consumer",
+        |r| r.add_service(svc),
+        shutdown,
+        proto::serve::SHUTDOWN_GRACE,
+    )
+    .await
+}
+
+/// The one mapping of store failures to statuses: busy is `UNAVAILABLE` (retryable),
+/// everything else `INTERNAL`.
+fn store_status(what: &str, e: &StoreError) -> Status {
+    match e {
+        StoreError::Sqlite(e) => storage_status(what, e),
+        StoreError::Inconsistent(msg) => Status::internal(format!("{what}: {msg}")),
+    }
+}
+
+fn failure_status(flow_id: &str, f: &ApplyFailure) -> Status {
+    let status = store_status(&format!("apply {flow_id}"), &f.source);
+    Status::new(
+        status.code(),
+        format!("{} (this call applied {} step(s) first)", status.message(), f.applied.len()),
+    )
+}
+
+fn invalid(e: proto::limits::LimitError) -> Status {
+    Status::invalid_argument(e.to_string())
+}
+
+impl From<&ReceiveOutcome> for pb::ReceiveOutcome {
+    fn from(o: &ReceiveOutcome) -> Self {
+        match o {
+            ReceiveOutcome::Accepted => pb::ReceiveOutcome::Accepted,
+            ReceiveOutcome::Duplicate => pb::ReceiveOutcome::Duplicate,
+            ReceiveOutcome::IdConflict => pb::ReceiveOutcome::IdConflict,
+            ReceiveOutcome::SequenceConflict { .. } => pb::ReceiveOutcome::SequenceConflict,
+        }
+    }
+}
+
+impl From<BlockReason> for pb::BlockReason {
+    fn from(r: BlockReason) -> Self {
+        match r {
+            BlockReason::UnsupportedSchema => pb::BlockReason::UnsupportedSchema,
+            BlockReason::InvalidPayload => pb::BlockReason::InvalidPayload,
+            BlockReason::InvalidTransition => pb::BlockReason::InvalidTransition,
+        }
+    }
+}
+
+fn projection_pb(p: &crate::rules::Projection) -> pb::Projection {
+    pb::Projection { last_seq: p.last_seq, state: p.state.as_str().to_owned(), held: p.held }
+}
+
+fn report_pb(report: ApplyReport) -> pb::ApplyResult {
+    let mut result = pb::ApplyResult {
+        flow_id: report.flow_id,
+        applied: report.applied.len() as u32,
+        applied_event_ids: report.applied,
+        projection: Some(projection_pb(&report.projection)),
+        ..Default::default()
+    };
+    match report.stop {
+        Stop::Idle => result.stop = pb::ApplyStop::Idle as i32,
+        Stop::Limit => result.stop = pb::ApplyStop::Limit as i32,
+        Stop::Gap { waiting_for_seq } => {
+            result.stop = pb::ApplyStop::Gap as i32;
+            result.waiting_for_seq = waiting_for_seq;
+        }
+        Stop::Blocked { event_id, reason, detail } => {
+            result.stop = pb::ApplyStop::Blocked as i32;
+            result.reason = pb::BlockReason::from(reason) as i32;
+            result.blocked_event_id = event_id;
+            result.detail = detail;
+        }
+    }
+    result
+}
+
+fn inbox_pb(r: InboxRecord) -> pb::InboxRow {
+    pb::InboxRow {
+        seq: r.seq,
+        event_id: r.event_id,
+        kind: r.kind,
+        schema: r.schema,
+        state: r.state.as_str().to_owned(),
+        reason: r.reason.map(|r| r.as_str().to_owned()).unwrap_or_default(),
+        body: r.body,
+    }
+}
+
+fn effect_pb(e: EffectRecord) -> pb::EffectRow {
+    pb::EffectRow { seq: e.seq, event_id: e.event_id, kind: e.kind, held: e.held }
+}
+
+#[tonic::async_trait]
+impl pb::consumer_server::Consumer for ConsumerService {
+    type ReceiveStream = ReceiverStream<Answer>;
+
+    async fn receive(
+        &self,
+        request: Request<Streaming<pb::EventEnvelope>>,
+    ) -> Result<Response<Self::ReceiveStream>, Status> {
+        let (answers, stream) = mpsc::channel(RECEIVE_BUFFER);
+        tokio::spawn(self.clone().answer_stream(request.into_inner(), answers));
+        Ok(Response::new(ReceiverStream::new(stream)))
+    }
+
+    async fn apply(&self, request: Request<pb::ApplyRequest>) -> Result<Response<pb::ApplyResult>, Status> {
+        let req = request.into_inner();
+        request::flow_id(&req.flow_id).map_err(invalid)?;
+        let max_steps = request::max_steps(req.max_steps).map_err(invalid)?;
+        let opts = self.opts;
+        let flow_id = req.flow_id;
+        let id = flow_id.clone();
+        let report = self
+            .with_shared(move |conn| apply::apply_flow(conn, &id, max_steps, opts))
+            .await?
+            .map_err(|f| failure_status(&flow_id, &f))?;
+        tracing::debug!(flow_id = %report.flow_id, applied = report.applied.len(), stop = ?report.stop, "apply");
+        Ok(Response::new(report_pb(report)))
+    }
+
+    async fn apply_all(
+        &self,
+        request: Request<pb::ApplyAllRequest>,
+    ) -> Result<Response<pb::ApplyAllResponse>, Status> {
+        let max_steps = request::max_steps(request.into_inner().max_steps).map_err(invalid)?;
+        let opts = self.opts;
+        let results = self
+            .with_shared(move |conn| apply::apply_all(conn, max_steps, opts))
+            .await?
+            .map_err(|e| store_status("apply_all: listing flows", &e))?;
+        let results = results
+            .into_iter()
+            .map(|flow| match flow.outcome {
+                Ok(report) => report_pb(report),
+                Err(failure) => {
+                    let status = failure_status(&flow.flow_id, &failure);
+                    tracing::warn!(flow_id = %flow.flow_id, error = %status.message(), "apply_all: flow failed");
+                    pb::ApplyResult {
+                        flow_id: flow.flow_id,
+                        applied: failure.applied.len() as u32,
+                        applied_event_ids: failure.applied,
+                        error: status.message().to_owned(),
+                        ..Default::default()
+                    }
+                }
+            })
+            .collect();
+        Ok(Response::new(pb::ApplyAllResponse { results }))
+    }
+
+    async fn get_flow(
+        &self,
+        request: Request<pb::GetFlowRequest>,
+    ) -> Result<Response<pb::ConsumerFlow>, Status> {
+        let flow_id = request.into_inner().flow_id;
+        request::flow_id(&flow_id).map_err(invalid)?;
+        let id = flow_id.clone();
+        let (projection, inbox, effects) = self
+            .with_conn(move |conn| {
+                // One read transaction so projection, inbox and effects are one snapshot.
+                let read = |e: StoreError| store_status("get_flow", &e);
+                let tx = conn.transaction().map_err(|e| storage_status("get_flow", &e))?;
+                let projection = store::projection(&tx, &id).map_err(read)?;
+                let inbox = store::flow_inbox(&tx, &id).map_err(read)?;
+                let effects = store::flow_effects(&tx, &id).map_err(read)?;
+                Ok((projection, inbox, effects))
+            })
+            .await?;
+        Ok(Response::new(pb::ConsumerFlow {
+            flow_id,
+            projection: Some(projection_pb(&projection)),
+            inbox: inbox.into_iter().map(inbox_pb).collect(),
+            effects: effects.into_iter().map(effect_pb).collect(),
+        }))
+    }
+
+    async fn list_stuck(
+        &self,
+        request: Request<pb::ListStuckRequest>,
+    ) -> Result<Response<pb::ListStuckResponse>, Status> {
+        let limit = request::stuck_limit(request.into_inner().limit).map_err(invalid)?;
+        let (flows, total) = self
+            .with_conn(move |conn| {
+                let tx = conn.transaction().map_err(|e| storage_status("list_stuck", &e))?;
+                store::backlog(&tx, limit as usize).map_err(|e| store_status("list_stuck", &e))
+            })
+            .await?;
+        let flows = flows
+            .into_iter()
+            .map(|b| {
+                let mut stuck = pb::StuckFlow {
+                    last_seq: b.projection.last_seq,
+                    waiting_rows: b.waiting_rows,
+                    ..Default::default()
+                };
+                match why_waiting(&b.projection, b.lowest.seq, b.lowest.reason) {
+                    Waiting::Ready => stuck.why = pb::ApplyStop::Limit as i32,
+                    Waiting::Gap { waiting_for_seq } => {
+                        stuck.why = pb::ApplyStop::Gap as i32;
+                        stuck.waiting_for_seq = waiting_for_seq;
+                    }
+                    Waiting::Blocked(reason) => {
+                        stuck.why = pb::ApplyStop::Blocked as i32;
+                        stuck.reason = pb::BlockReason::from(reason) as i32;
+                        stuck.blocked_seq = b.lowest.seq;
+                        stuck.blocked_event_id = b.lowest.event_id;
+                    }
+                }
+                stuck.flow_id = b.flow_id;
+                stuck
+            })
+            .collect();
+        Ok(Response::new(pb::ListStuckResponse { flows, unapplied_rows: total }))
+    }
+}

@@ -1,0 +1,605 @@
+//! All SQL of consumer.db. `insert_pending` (accepted) and `apply_step` (projection, effect
+//! and inbox mark: applied) each run inside the caller's `BEGIN IMMEDIATE` transaction, so
+//! this module is the one owner of the file's invariants: a stored body never changes, and
+//! a flow's effects are a contiguous prefix of its seqs, each applied once.
+
+use std::path::Path;
+
+use proto::body::Event;
+use proto::crash::{CrashPoint, CrashSwitch};
+use proto::db::{self, DbError, DbKind};
+use proto::flow::{FlowState, Kind};
+use rusqlite::{Connection, OptionalExtension, Transaction, params};
+
+use crate::rules::{BlockReason, Projection};
+
+/// consumer.db: identity and schema (version 1).
+pub const KIND: DbKind = DbKind {
+    name: "consumer",
+    application_id: db::CONSUMER_APPLICATION_ID,
+    user_version: 1,
+    schema_sql: SCHEMA,
+};
+
+const SCHEMA: &str = "
+CREATE TABLE inbox(
+    event_id TEXT PRIMARY KEY,
+    flow_id TEXT NOT NULL,
+    seq INTEGER NOT NULL CHECK(seq >= 1),
+    kind TEXT NOT NULL,
+    schema INTEGER NOT NULL,
+    -- The canonical body, stored verbatim and never edited.
+    body TEXT NOT NULL,
+    state TEXT NOT NULL DEFAULT 'pending' CHECK(state IN ('pending','blocked','applied')),
+    reason TEXT CHECK(reason IN ('unsupported_schema','invalid_payload','invalid_transition')),
+    received_at_us INTEGER NOT NULL,
+    applied_at_us INTEGER,
+    UNIQUE(flow_id, seq),
+    -- A reason exists exactly while the row is blocked.
+    CHECK((state = 'blocked') = (reason IS NOT NULL))
+);
+-- Only unapplied rows are indexed: the backlog is counted and found without scanning history.
+-- `state` is a column too so the backlog queries read the index alone (covering).
+CREATE INDEX inbox_unapplied ON inbox(flow_id, seq, state) WHERE state <> 'applied';
+CREATE TABLE projection(
+    flow_id TEXT PRIMARY KEY,
+    last_seq INTEGER NOT NULL CHECK(last_seq >= 1),
+    state TEXT NOT NULL CHECK(state IN ('reserved','confirmed','released')),
+    held INTEGER NOT NULL,
+    amount INTEGER NOT NULL CHECK(amount >= 1)
+);
+-- rowid order is apply order.
+CREATE TABLE effect(
+    event_id TEXT NOT NULL UNIQUE REFERENCES inbox(event_id),
+    flow_id TEXT NOT NULL,
+    seq INTEGER NOT NULL CHECK(seq >= 1),
+    kind TEXT NOT NULL,
+    held INTEGER NOT NULL,
+    applied_at_us INTEGER NOT NULL,
+    UNIQUE(flow_id, seq)
+);
+";
+
+/// Why a store call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error(transparent)]
+    Sqlite(#[from] rusqlite::Error),
+    /// The file holds something this module never writes (edited by hand, or a bug).
+    #[error("consumer.db is inconsistent: {0}")]
+    Inconsistent(String),
+}
+
+/// Result of a store call.
+pub type Result<T> = std::result::Result<T, StoreError>;
+
+/// Opens (creating if needed) consumer.db with the shared settings.
+pub fn open(path: &Path) -> std::result::Result<Connection, DbError> {
+    db::open(path, &KIND, db::OpenMode::Create)
+}
+
+/// An inbox row's state: accepted (`pending` or `blocked`) or `applied`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InboxState {
+    Pending,
+    Blocked,
+    Applied,
+}
+
+impl InboxState {
+    /// The lowercase name, exactly as stored and sent.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InboxState::Pending => "pending",
+            InboxState::Blocked => "blocked",
+            InboxState::Applied => "applied",
+        }
+    }
+
+    fn parse(s: &str) -> Option<InboxState> {
+        match s {
+            "pending" => Some(InboxState::Pending),
+            "blocked" => Some(InboxState::Blocked),
+            "applied" => Some(InboxState::Applied),
+            _ => None,
+        }
+    }
+}
+
+/// One inbox row.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InboxRecord {
+    pub event_id: String,
+    pub flow_id: String,
+    pub seq: u64,
+    pub kind: String,
+    pub schema: u32,
+    pub body: String,
+    pub state: InboxState,
+    pub reason: Option<BlockReason>,
+}
+
+/// One effect row: the record an applied step leaves.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EffectRecord {
+    pub event_id: String,
+    pub flow_id: String,
+    pub seq: u64,
+    pub kind: String,
+    pub held: i64,
+}
+
+/// What `insert_pending` decided (SPEC §6).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ReceiveOutcome {
+    /// Inserted as pending; the caller commits, then answers.
+    Accepted,
+    /// The same canonical body is stored under this event id; nothing written.
+    Duplicate,
+    /// This event id is stored with a different body; nothing written.
+    IdConflict,
+    /// Another event id holds this (flow_id, seq); nothing written.
+    SequenceConflict { held_by: String },
+}
+
+/// Inside the caller's `BEGIN IMMEDIATE` transaction: stores `event` as pending unless its
+/// event id or its (flow_id, seq) is already taken. Writes only for `Accepted`.
+pub fn insert_pending(tx: &Transaction<'_>, event: &Event, now_us: i64) -> Result<ReceiveOutcome> {
+    let body = event.canonical_body();
+    let stored: Option<String> = tx
+        .prepare_cached("SELECT body FROM inbox WHERE event_id = ?1")?
+        .query_row([&event.event_id], |r| r.get(0))
+        .optional()?;
+    if let Some(stored) = stored {
+        return Ok(if stored == body { ReceiveOutcome::Duplicate } else { ReceiveOutcome::IdConflict });
+    }
+    let holder: Option<String> = tx
+        .prepare_cached("SELECT event_id FROM inbox WHERE flow_id = ?1 AND seq = ?2")?
+        .query_row(params![event.flow_id, event.seq], |r| r.get(0))
+        .optional()?;
+    if let Some(held_by) = holder {
+        return Ok(ReceiveOutcome::SequenceConflict { held_by });
+    }
+    tx.prepare_cached(
+        "INSERT INTO inbox(event_id, flow_id, seq, kind, schema, body, state, received_at_us)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'pending', ?7)",
+    )?
+    .execute(params![
+        event.event_id,
+        event.flow_id,
+        event.seq,
+        event.kind,
+        event.schema,
+        body,
+        now_us
+    ])?;
+    Ok(ReceiveOutcome::Accepted)
+}
+
+/// The flow's projection; a flow nothing was applied to is [`Projection::NEW`].
+pub fn projection(conn: &Connection, flow_id: &str) -> Result<Projection> {
+    let row = conn
+        .prepare_cached("SELECT last_seq, state, held, amount FROM projection WHERE flow_id = ?1")?
+        .query_row([flow_id], |r| {
+            Ok((r.get::<_, u64>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?, r.get::<_, i64>(3)?))
+        })
+        .optional()?;
+    match row {
+        None => Ok(Projection::NEW),
+        Some((last_seq, state, held, amount)) => {
+            let state = FlowState::parse(&state).ok_or_else(|| {
+                StoreError::Inconsistent(format!("projection {flow_id}: unknown state {state:?}"))
+            })?;
+            Ok(Projection { last_seq, state, held, amount })
+        }
+    }
+}
+
+const INBOX_COLUMNS: &str = "event_id, flow_id, seq, kind, schema, body, state, reason";
+
+type RawInbox = (String, String, u64, String, u32, String, String, Option<String>);
+
+fn raw_inbox(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawInbox> {
+    Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?, r.get(6)?, r.get(7)?))
+}
+
+fn inbox_record(raw: RawInbox) -> Result<InboxRecord> {
+    let (event_id, flow_id, seq, kind, schema, body, state, reason) = raw;
+    let state = InboxState::parse(&state)
+        .ok_or_else(|| StoreError::Inconsistent(format!("inbox {event_id}: unknown state {state:?}")))?;
+    let reason = match reason {
+        None => None,
+        Some(r) => Some(
+            BlockReason::parse(&r)
+                .ok_or_else(|| StoreError::Inconsistent(format!("inbox {event_id}: unknown reason {r:?}")))?,
+        ),
+    };
+    Ok(InboxRecord { event_id, flow_id, seq, kind, schema, body, state, reason })
+}
+
+/// What is stored at a flow's next seq.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Next {
+    /// The row at exactly the next seq (pending or blocked).
+    Row(InboxRecord),
+    /// Nothing at the next seq, but a later seq is stored.
+    Gap,
+    /// Nothing at or after the next seq.
+    Idle,
+}
+
+/// The row at exactly `next_seq` of the flow ("greater than last_seq" would skip a gap), or
+/// whether a later one waits.
+pub fn next_to_apply(conn: &Connection, flow_id: &str, next_seq: u64) -> Result<Next> {
+    let raw = conn
+        .prepare_cached(&format!("SELECT {INBOX_COLUMNS} FROM inbox WHERE flow_id = ?1 AND seq = ?2"))?
+        .query_row(params![flow_id, next_seq], raw_inbox)
+        .optional()?;
+    if let Some(raw) = raw {
+        let row = inbox_record(raw)?;
+        if row.state == InboxState::Applied {
+            return Err(StoreError::Inconsistent(format!(
+                "inbox {} (flow {flow_id}, seq {next_seq}) is applied but the projection is before it",
+                row.event_id
+            )));
+        }
+        return Ok(Next::Row(row));
+    }
+    let later: bool =
+        conn.prepare_cached(LATER_UNAPPLIED_SQL)?.query_row(params![flow_id, next_seq], |r| r.get(0))?;
+    Ok(if later { Next::Gap } else { Next::Idle })
+}
+
+/// Whether the flow has an unapplied row after a seq (answered from `inbox_unapplied`).
+pub const LATER_UNAPPLIED_SQL: &str =
+    "SELECT EXISTS(SELECT 1 FROM inbox WHERE flow_id = ?1 AND seq > ?2 AND state <> 'applied')";
+
+/// Inside the caller's `BEGIN IMMEDIATE` transaction: marks an unapplied row `blocked` with
+/// `reason` (a re-evaluation may change the reason). Returns false when nothing changed
+/// (already blocked for this reason, or applied meanwhile). The body is never touched.
+pub fn mark_blocked(tx: &Transaction<'_>, event_id: &str, reason: BlockReason) -> Result<bool> {
+    let changed = tx
+        .prepare_cached(
+            "UPDATE inbox SET state = 'blocked', reason = ?2
+             WHERE event_id = ?1 AND state <> 'applied' AND (state <> 'blocked' OR reason IS NOT ?2)",
+        )?
+        .execute(params![event_id, reason.as_str()])?;
+    Ok(changed == 1)
+}
+
+/// What `apply_step` did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepOutcome {
+    /// Projection, effect and inbox mark written; the caller commits.
+    Applied,
+    /// The projection re-read inside the transaction is not the one the decision was made
+    /// on (another applier won): nothing written, decide again.
+    Raced,
+}
+
+/// Inside the caller's `BEGIN IMMEDIATE` transaction, the applied step of SPEC §7: re-reads
+/// the projection (never trusting the caller's copy), and only if it is still `from`
+/// updates it to `after`, inserts the effect and marks `row` applied. Any failure (a
+/// constraint, a trigger) is returned before commit, so the caller's rollback undoes all
+/// three. Crash points `consumer.apply.after_projection` and `.after_effect` sit inside.
+pub fn apply_step(
+    tx: &Transaction<'_>,
+    row: &InboxRecord,
+    from: &Projection,
+    kind: Kind,
+    after: &Projection,
+    crash: &CrashSwitch,
+    now_us: i64,
+) -> Result<StepOutcome> {
+    if projection(tx, &row.flow_id)? != *from || after.last_seq != row.seq {
+        return Ok(StepOutcome::Raced);
+    }
+    tx.prepare_cached(
+        "INSERT INTO projection(flow_id, last_seq, state, held, amount) VALUES (?1, ?2, ?3, ?4, ?5)
+         ON CONFLICT(flow_id) DO UPDATE SET
+             last_seq = excluded.last_seq, state = excluded.state,
+             held = excluded.held, amount = excluded.amount",
+    )?
+    .execute(params![row.flow_id, after.last_seq, after.state.as_str(), after.held, after.amount])?;
+    crash.reach(CrashPoint::ConsumerApplyAfterProjection);
+    tx.prepare_cached(
+        "INSERT INTO effect(event_id, flow_id, seq, kind, held, applied_at_us)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+    )?
+    .execute(params![row.event_id, row.flow_id, row.seq, kind.as_str(), after.held, now_us])?;
+    let marked = tx
+        .prepare_cached(
+            "UPDATE inbox SET state = 'applied', reason = NULL, applied_at_us = ?2
+             WHERE event_id = ?1 AND state <> 'applied'",
+        )?
+        .execute(params![row.event_id, now_us])?;
+    if marked != 1 {
+        return Err(StoreError::Inconsistent(format!(
+            "inbox {} vanished or was applied while the projection was at seq {}",
+            row.event_id, from.last_seq
+        )));
+    }
+    crash.reach(CrashPoint::ConsumerApplyAfterEffect);
+    Ok(StepOutcome::Applied)
+}
+
+/// The flow's inbox rows in seq order.
+pub fn flow_inbox(conn: &Connection, flow_id: &str) -> Result<Vec<InboxRecord>> {
+    let mut stmt =
+        conn.prepare_cached(&format!("SELECT {INBOX_COLUMNS} FROM inbox WHERE flow_id = ?1 ORDER BY seq"))?;
+    let raws = stmt.query_map([flow_id], raw_inbox)?.collect::<rusqlite::Result<Vec<_>>>()?;
+    raws.into_iter().map(inbox_record).collect()
+}
+
+/// The flow's effects in seq order (which is also their apply order).
+pub fn flow_effects(conn: &Connection, flow_id: &str) -> Result<Vec<EffectRecord>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT event_id, flow_id, seq, kind, held FROM effect WHERE flow_id = ?1 ORDER BY seq",
+    )?;
+    let rows = stmt.query_map([flow_id], |r| {
+        Ok(EffectRecord {
+            event_id: r.get(0)?,
+            flow_id: r.get(1)?,
+            seq: r.get(2)?,
+            kind: r.get(3)?,
+            held: r.get(4)?,
+        })
+    })?;
+    Ok(rows.collect::<rusqlite::Result<Vec<_>>>()?)
+}
+
+/// Flows with unapplied rows, after a cursor, in flow_id order (answered from the partial
+/// index `inbox_unapplied` alone).
+pub const UNAPPLIED_FLOWS_SQL: &str = "SELECT DISTINCT flow_id FROM inbox
+     WHERE state <> 'applied' AND flow_id > ?1 ORDER BY flow_id LIMIT ?2";
+
+/// Up to `limit` flows with unapplied rows whose id sorts after `after` (start with "").
+pub fn flows_with_unapplied(conn: &Connection, after: &str, limit: usize) -> Result<Vec<String>> {
+    let mut stmt = conn.prepare_cached(UNAPPLIED_FLOWS_SQL)?;
+    let rows = stmt.query_map(params![after, limit as i64], |r| r.get(0))?;
+    Ok(rows.collect::<rusqlite::Result<Vec<_>>>()?)
+}
+
+/// Per flow with unapplied rows: how many, and the lowest unapplied seq (answered from the
+/// partial index `inbox_unapplied` alone, already in flow order).
+pub const BACKLOG_BY_FLOW_SQL: &str = "SELECT flow_id, count(*), min(seq) FROM inbox
+     WHERE state <> 'applied' GROUP BY flow_id ORDER BY flow_id LIMIT ?1";
+
+/// Unapplied rows over all flows (a count over the partial index, not the history).
+pub const UNAPPLIED_COUNT_SQL: &str = "SELECT count(*) FROM inbox WHERE state <> 'applied'";
+
+/// One flow that waits with accepted-but-unapplied rows.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Backlog {
+    pub flow_id: String,
+    pub projection: Projection,
+    /// Unapplied rows of the flow.
+    pub waiting_rows: u64,
+    /// The lowest unapplied row.
+    pub lowest: InboxRecord,
+}
+
+/// Up to `limit` flows with unapplied rows in flow_id order, each with its projection and
+/// lowest unapplied row, and the total of unapplied rows. Run it in one read transaction.
+pub fn backlog(conn: &Connection, limit: usize) -> Result<(Vec<Backlog>, u64)> {
+    let total: u64 = conn.prepare_cached(UNAPPLIED_COUNT_SQL)?.query_row([], |r| r.get(0))?;
+    let groups: Vec<(String, u64, u64)> = conn
+        .prepare_cached(BACKLOG_BY_FLOW_SQL)?
+        .query_map([limit as i64], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
+        .collect::<rusqlite::Result<_>>()?;
+    let mut flows = Vec::with_capacity(groups.len());
+    for (flow_id, waiting_rows, lowest_seq) in groups {
+        let raw = conn
+            .prepare_cached(&format!("SELECT {INBOX_COLUMNS} FROM inbox WHERE flow_id = ?1 AND seq = ?2"))?
+            .query_row(params![flow_id, lowest_seq], raw_inbox)?;
+        flows.push(Backlog {
+            projection: projection(conn, &flow_id)?,
+            flow_id,
+            waiting_rows,
+            lowest: inbox_record(raw)?,
+        });
+    }
+    Ok((flows, total))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rules::{Decision, decide_next};
+    use proto::limits::parse_payload;
+
+    fn event(flow: &str, seq: u64, kind: &str, schema: u32, payload: &str) -> Event {
+        Event {
+            event_id: format!("{flow}{seq}"),
+            flow_id: flow.into(),
+            seq,
+            kind: kind.into(),
+            schema,
+            payload: parse_payload(payload).expect("valid payload"),
+        }
+    }
+
+    fn reference(flow: &str, seq: u64) -> Event {
+        let kind = ["reserved", "confirmed", "released"][seq as usize - 1];
+        event(flow, seq, kind, 1, r#"{"amount":3}"#)
+    }
+
+    fn receive(conn: &mut Connection, e: &Event) -> ReceiveOutcome {
+        let tx = db::begin_immediate(conn).unwrap();
+        let outcome = insert_pending(&tx, e, 1).unwrap();
+        tx.commit().unwrap();
+        outcome
+    }
+
+    /// One step as the Apply loop makes it: read, decide, write.
+    fn step(conn: &mut Connection, flow: &str) -> Option<StepOutcome> {
+        let from = projection(conn, flow).unwrap();
+        let Next::Row(row) = next_to_apply(conn, flow, from.next_seq()).unwrap() else { return None };
+        let event = Event::from_canonical_body(&row.body).unwrap();
+        let Decision::Apply { kind, after } = decide_next(&from, &event, false) else { return None };
+        let tx = db::begin_immediate(conn).unwrap();
+        let outcome = apply_step(&tx, &row, &from, kind, &after, &CrashSwitch::default(), 2).unwrap();
+        tx.commit().unwrap();
+        Some(outcome)
+    }
+
+    fn plan(conn: &Connection, sql: &str, params: impl rusqlite::Params) -> String {
+        let rows: Vec<String> = conn
+            .prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
+            .unwrap()
+            .query_map(params, |r| r.get::<_, String>(3))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        rows.join("\n")
+    }
+
+    #[test]
+    fn receive_outcomes() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut conn = open(&dir.path().join("c.db")).unwrap();
+        assert_eq!(receive(&mut conn, &reference("A", 1)), ReceiveOutcome::Accepted);
+        assert_eq!(receive(&mut conn, &reference("A", 1)), ReceiveOutcome::Duplicate);
+        let changed = event("A", 1, "reserved", 1, r#"{"amount":4}"#);
+        assert_eq!(receive(&mut conn, &changed), ReceiveOutcome::IdConflict);
+        let other_id = Event { event_id: "X".into(), ..reference("A", 1) };
+        assert_eq!(receive(&mut conn, &other_id), ReceiveOutcome::SequenceConflict { held_by: "A1".into() });
+        let unknown = event("A", 2, "teleported", 77, r#"{"who":"knows"}"#);
+        assert_eq!(receive(&mut conn, &unknown), ReceiveOutcome::Accepted);
+        let rows = flow_inbox(&conn, "A").unwrap();
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[1].body, unknown.canonical_body());
+        assert!(rows.iter().all(|r| r.state == InboxState::Pending && r.reason.is_none()));
+    }
+
+    #[test]
+    fn next_to_apply_looks_at_exactly_the_next_seq() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut conn = open(&dir.path().join("c.db")).unwrap();
+        assert_eq!(next_to_apply(&conn, "A", 1).unwrap(), Next::Idle);
+        receive(&mut conn, &reference("A", 3));
+        assert_eq!(next_to_apply(&conn, "A", 1).unwrap(), Next::Gap);
+        assert_eq!(next_to_apply(&conn, "A", 4).unwrap(), Next::Idle);
+        receive(&mut conn, &reference("A", 1));
+        assert!(matches!(next_to_apply(&conn, "A", 1).unwrap(), Next::Row(r) if r.event_id == "A1"));
+    }
+
+    #[test]
+    fn a_stale_projection_races_and_writes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.db");
+        let mut a = open(&path).unwrap();
+        let mut b = open(&path).unwrap();
+        for seq in 1..=2 {
+            receive(&mut a, &reference("A", seq));
+        }
+        // Both appliers decide on projection NEW; only the first write applies seq 1.
+        let from = projection(&a, "A").unwrap();
+        let Next::Row(row) = next_to_apply(&a, "A", 1).unwrap() else { panic!("row 1") };
+        assert_eq!(step(&mut b, "A"), Some(StepOutcome::Applied));
+        let Decision::Apply { kind, after } =
+            decide_next(&from, &Event::from_canonical_body(&row.body).unwrap(), false)
+        else {
+            panic!("apply")
+        };
+        let tx = db::begin_immediate(&mut a).unwrap();
+        assert_eq!(
+            apply_step(&tx, &row, &from, kind, &after, &CrashSwitch::default(), 3).unwrap(),
+            StepOutcome::Raced
+        );
+        drop(tx);
+        assert_eq!(step(&mut a, "A"), Some(StepOutcome::Applied));
+        let effects = flow_effects(&a, "A").unwrap();
+        assert_eq!(effects.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2]);
+        assert_eq!(projection(&a, "A").unwrap().state, FlowState::Confirmed);
+    }
+
+    #[test]
+    fn a_failing_effect_insert_rolls_the_projection_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut conn = open(&dir.path().join("c.db")).unwrap();
+        receive(&mut conn, &reference("A", 1));
+        conn.execute_batch(
+            "CREATE TRIGGER no_effects BEFORE INSERT ON effect BEGIN SELECT RAISE(ABORT, 'effects frozen'); END;",
+        )
+        .unwrap();
+        let from = projection(&conn, "A").unwrap();
+        let Next::Row(row) = next_to_apply(&conn, "A", 1).unwrap() else { panic!("row") };
+        let Decision::Apply { kind, after } =
+            decide_next(&from, &Event::from_canonical_body(&row.body).unwrap(), false)
+        else {
+            panic!("apply")
+        };
+        let tx = db::begin_immediate(&mut conn).unwrap();
+        let err = apply_step(&tx, &row, &from, kind, &after, &CrashSwitch::default(), 3).unwrap_err();
+        assert!(err.to_string().contains("effects frozen"), "{err}");
+        drop(tx);
+        assert_eq!(projection(&conn, "A").unwrap(), Projection::NEW);
+        assert_eq!(flow_inbox(&conn, "A").unwrap()[0].state, InboxState::Pending);
+        assert!(flow_effects(&conn, "A").unwrap().is_empty());
+    }
+
+    #[test]
+    fn blocking_keeps_the_body_and_re_evaluation_updates_the_reason() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut conn = open(&dir.path().join("c.db")).unwrap();
+        let v2 = event("A", 1, "reserved", 2, r#"{"units":3}"#);
+        receive(&mut conn, &v2);
+        let tx = db::begin_immediate(&mut conn).unwrap();
+        assert!(mark_blocked(&tx, "A1", BlockReason::UnsupportedSchema).unwrap());
+        assert!(!mark_blocked(&tx, "A1", BlockReason::UnsupportedSchema).unwrap());
+        assert!(mark_blocked(&tx, "A1", BlockReason::InvalidPayload).unwrap());
+        tx.commit().unwrap();
+        let row = &flow_inbox(&conn, "A").unwrap()[0];
+        assert_eq!((row.state, row.reason), (InboxState::Blocked, Some(BlockReason::InvalidPayload)));
+        assert_eq!(row.body, v2.canonical_body());
+        // Applying a blocked row clears its reason.
+        let from = Projection::NEW;
+        let Decision::Apply { kind, after } = decide_next(&from, &v2, true) else { panic!("apply") };
+        let tx = db::begin_immediate(&mut conn).unwrap();
+        assert_eq!(
+            apply_step(&tx, row, &from, kind, &after, &CrashSwitch::default(), 3).unwrap(),
+            StepOutcome::Applied
+        );
+        assert!(!mark_blocked(&tx, "A1", BlockReason::InvalidPayload).unwrap());
+        tx.commit().unwrap();
+        let row = &flow_inbox(&conn, "A").unwrap()[0];
+        assert_eq!((row.state, row.reason), (InboxState::Applied, None));
+    }
+
+    #[test]
+    fn the_backlog_is_found_through_the_partial_index() {
+        let dir = tempfile::tempdir().unwrap();
+        let conn = open(&dir.path().join("c.db")).unwrap();
+        for (sql, plan) in [
+            (UNAPPLIED_COUNT_SQL, plan(&conn, UNAPPLIED_COUNT_SQL, [])),
+            (BACKLOG_BY_FLOW_SQL, plan(&conn, BACKLOG_BY_FLOW_SQL, [10])),
+            (UNAPPLIED_FLOWS_SQL, plan(&conn, UNAPPLIED_FLOWS_SQL, params!["", 10])),
+            (LATER_UNAPPLIED_SQL, plan(&conn, LATER_UNAPPLIED_SQL, params!["A", 1])),
+        ] {
+            assert!(plan.contains("USING COVERING INDEX inbox_unapplied"), "{sql}\n{plan}");
+            assert!(!plan.contains("TEMP B-TREE"), "{sql}\n{plan}");
+        }
+    }
+
+    #[test]
+    fn backlog_reports_each_waiting_flow() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut conn = open(&dir.path().join("c.db")).unwrap();
+        receive(&mut conn, &reference("G", 1));
+        receive(&mut conn, &reference("G", 3));
+        receive(&mut conn, &reference("R", 1));
+        receive(&mut conn, &reference("R", 2));
+        assert_eq!(step(&mut conn, "G"), Some(StepOutcome::Applied));
+        let (flows, total) = backlog(&conn, 10).unwrap();
+        assert_eq!(total, 3);
+        assert_eq!(flows.len(), 2);
+        assert_eq!((flows[0].flow_id.as_str(), flows[0].waiting_rows, flows[0].lowest.seq), ("G", 1, 3));
+        assert_eq!(flows[0].projection.last_seq, 1);
+        assert_eq!((flows[1].flow_id.as_str(), flows[1].waiting_rows, flows[1].lowest.seq), ("R", 2, 1));
+        let (first, _) = backlog(&conn, 1).unwrap();
+        assert_eq!(first.len(), 1);
+        assert_eq!(flows_with_unapplied(&conn, "", 10).unwrap(), ["G", "R"]);
+        assert_eq!(flows_with_unapplied(&conn, "G", 10).unwrap(), ["R"]);
+    }
+}
