@@ -39,6 +39,8 @@ struct Args {
     /// Log format on stderr.
     #[arg(long, env = "ORDERED_EVENTS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
+    #[command(flatten)]
+    serve: proto::serve::ServeOptions,
 }
 
 #[tokio::main]
@@ -59,13 +61,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let crash = proto::crash::CrashSwitch::from_env()?;
     let config = consumer::Config { db: args.db, support_v2: args.support_v2, crash };
     let service = consumer::ConsumerService::open(&config)?;
+    let settings = args.serve.load()?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", args.listen))?;
     let addr = listener.local_addr()?;
     proto::serve::announce(addr);
     tracing::info!(%addr, "consumer serving");
-    consumer::run(service, listener, proto::serve::shutdown_signal()).await?;
+    consumer::run(service, listener, proto::serve::shutdown_signal(), &settings).await?;
     tracing::info!("consumer stopped");
     Ok(())
 }

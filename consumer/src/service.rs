@@ -173,21 +173,18 @@ pub async fn run(
     service: ConsumerService,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
+    settings: &proto::serve::ServerSettings,
 ) -> Result<(), tonic::transport::Error> {
     let stopping = Arc::clone(&service.stopping);
     let shutdown = async move {
         shutdown.await;
         stopping.send_replace(true);
     };
-    let svc = pb::consumer_server::ConsumerServer::new(service);
-    proto::serve::serve(
-        listener,
-        "ordered_events.v1.Consumer",
-        |r| r.add_service(svc),
-        shutdown,
-        proto::serve::SHUTDOWN_GRACE,
-    )
-    .await
+    let svc = pb::consumer_server::ConsumerServer::new(service)
+        .max_decoding_message_size(settings.max_message_bytes());
+    let svc = tonic::service::interceptor::InterceptedService::new(svc, settings.require_token());
+    proto::serve::serve(listener, "ordered_events.v1.Consumer", |r| r.add_service(svc), shutdown, settings)
+        .await
 }
 
 /// The one mapping of store failures to statuses: busy is `UNAVAILABLE` (retryable),

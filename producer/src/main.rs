@@ -28,6 +28,8 @@ struct Args {
     /// Log format on stderr.
     #[arg(long, env = "ORDERED_EVENTS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
+    #[command(flatten)]
+    serve: proto::serve::ServeOptions,
 }
 
 #[tokio::main]
@@ -47,13 +49,14 @@ async fn main() -> ExitCode {
 async fn run(args: Args) -> anyhow::Result<()> {
     let crash = proto::crash::CrashSwitch::from_env()?;
     let service = producer::ProducerService::open(&producer::Config { db: args.db, crash })?;
+    let settings = args.serve.load()?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", args.listen))?;
     let addr = listener.local_addr()?;
     proto::serve::announce(addr);
     tracing::info!(%addr, "producer serving");
-    producer::run(service, listener, proto::serve::shutdown_signal()).await?;
+    producer::run(service, listener, proto::serve::shutdown_signal(), &settings).await?;
     tracing::info!("producer stopped");
     Ok(())
 }

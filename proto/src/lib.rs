@@ -2,6 +2,7 @@
 //! must agree on byte for byte: canonical body, transport limits, the flow state machine,
 //! payload decoders, crash-point names and SQLite connection settings.
 
+pub mod auth;
 pub mod body;
 pub mod crash;
 pub mod db;

@@ -5,6 +5,7 @@
 use std::future::Future;
 use std::io::Write as _;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
@@ -58,24 +59,118 @@ pub async fn shutdown_signal() {
     }
 }
 
-/// How long in-flight calls may take to finish after a shutdown signal before the
-/// remaining connections are dropped.
-pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// Server limits, authentication and TLS: flags shared by the producer and the consumer
+/// (flatten into a binary's clap arguments), each with an `ORDERED_EVENTS_*` twin.
+#[derive(Clone, Debug, clap::Args)]
+pub struct ServeOptions {
+    /// Largest gRPC message a server decodes, in bytes; a larger one is refused with
+    /// RESOURCE_EXHAUSTED (on Receive, that ends the stream).
+    #[arg(long, env = "ORDERED_EVENTS_MAX_MESSAGE_BYTES", default_value_t = 1 << 20,
+          value_parser = clap::value_parser!(u32).range(1024..=(64 << 20)))]
+    pub max_message_bytes: u32,
+    /// HTTP/2 streams a client may have open at once on one connection.
+    #[arg(long, env = "ORDERED_EVENTS_MAX_CONCURRENT_STREAMS", default_value_t = 256,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_concurrent_streams: u32,
+    /// Requests served at once per connection; more wait their turn.
+    #[arg(long, env = "ORDERED_EVENTS_CONCURRENCY_LIMIT", default_value_t = 256,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub concurrency_limit: u32,
+    /// Deadline for producing a call's response, in milliseconds (CANCELLED after it; a
+    /// Receive stream, once open, is not cut). A client's shorter grpc-timeout wins.
+    #[arg(long, env = "ORDERED_EVENTS_REQUEST_TIMEOUT_MS", default_value_t = 30_000,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub request_timeout_ms: u64,
+    /// HTTP/2 keepalive: ping an idle connection this often, in milliseconds (0: never).
+    #[arg(long, env = "ORDERED_EVENTS_KEEPALIVE_INTERVAL_MS", default_value_t = 30_000)]
+    pub keepalive_interval_ms: u64,
+    /// HTTP/2 keepalive: close the connection when a ping is not answered within this many
+    /// milliseconds.
+    #[arg(long, env = "ORDERED_EVENTS_KEEPALIVE_TIMEOUT_MS", default_value_t = 10_000,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub keepalive_timeout_ms: u64,
+    /// After SIGTERM/SIGINT, how long in-flight calls may take to finish, in milliseconds,
+    /// before the remaining connections are dropped.
+    #[arg(long, env = "ORDERED_EVENTS_SHUTDOWN_GRACE_MS", default_value_t = 10_000)]
+    pub shutdown_grace_ms: u64,
+    /// Require `authorization: Bearer <token>` (the file's content) on every
+    /// ordered_events.v1 call; others get UNAUTHENTICATED. Health and reflection stay open.
+    #[arg(long, env = "ORDERED_EVENTS_TOKEN_FILE", value_name = "FILE")]
+    pub token_file: Option<PathBuf>,
+    /// Serve TLS with this PEM certificate chain (needs --tls-key).
+    #[arg(long, env = "ORDERED_EVENTS_TLS_CERT", value_name = "FILE", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert.
+    #[arg(long, env = "ORDERED_EVENTS_TLS_KEY", value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+}
+
+/// Why the server options cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum OptionsError {
+    #[error(transparent)]
+    Token(#[from] crate::auth::TokenError),
+    #[error("TLS file {path}: {source}")]
+    TlsFile { path: String, source: std::io::Error },
+}
+
+/// [`ServeOptions`] with their files read: what `serve` and the services use.
+#[derive(Clone, Debug)]
+pub struct ServerSettings {
+    pub options: ServeOptions,
+    token: Option<std::sync::Arc<str>>,
+    tls: Option<tonic::transport::Identity>,
+}
+
+impl ServeOptions {
+    /// Reads the token and TLS files, failing with a line that names the file.
+    pub fn load(self) -> Result<ServerSettings, OptionsError> {
+        let token = self.token_file.as_deref().map(crate::auth::read_token).transpose()?;
+        let read = |path: &PathBuf| {
+            std::fs::read(path)
+                .map_err(|source| OptionsError::TlsFile { path: path.display().to_string(), source })
+        };
+        let tls = match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => Some(tonic::transport::Identity::from_pem(read(cert)?, read(key)?)),
+            _ => None,
+        };
+        Ok(ServerSettings { options: self, token, tls })
+    }
+}
+
+impl ServerSettings {
+    /// Defaults: no token, no TLS (for tests and embedding).
+    pub fn plain(options: ServeOptions) -> ServerSettings {
+        ServerSettings { options, token: None, tls: None }
+    }
+
+    /// The interceptor for the ordered_events.v1 services.
+    pub fn require_token(&self) -> crate::auth::RequireToken {
+        crate::auth::RequireToken::new(self.token.clone())
+    }
+
+    /// The largest decoded message, for the generated servers.
+    pub fn max_message_bytes(&self) -> usize {
+        self.options.max_message_bytes as usize
+    }
+}
 
 /// Serves `add(router)` on `listener` beside health (for "" and `service_name`) and both
-/// reflection versions, until `shutdown` completes. Health goes `NOT_SERVING` first, then
-/// in-flight calls get up to `grace` to finish (a client that keeps its connection open
-/// cannot hold the process forever).
+/// reflection versions, with the limits, TLS and grace of `settings`, until `shutdown`
+/// completes. Health goes `NOT_SERVING` first, then in-flight calls get the grace period to
+/// finish (a client that keeps its connection open cannot hold the process forever).
 pub async fn serve<F>(
     listener: TcpListener,
     service_name: &'static str,
     add: impl FnOnce(Router) -> Router,
     shutdown: F,
-    grace: Duration,
+    settings: &ServerSettings,
 ) -> Result<(), tonic::transport::Error>
 where
     F: Future<Output = ()> + Send,
 {
+    let opts = &settings.options;
+    let grace = Duration::from_millis(opts.shutdown_grace_ms);
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_service_status(service_name, ServingStatus::Serving).await;
     // Advertise only what this server serves (the descriptor set holds both services).
@@ -95,7 +190,18 @@ where
         .with_service_name("grpc.reflection.v1alpha.ServerReflection")
         .build_v1alpha()
         .expect("the compiled-in descriptor sets are valid");
-    let router = Server::builder().add_service(health).add_service(v1).add_service(v1alpha);
+    let keepalive =
+        (opts.keepalive_interval_ms > 0).then(|| Duration::from_millis(opts.keepalive_interval_ms));
+    let mut builder = Server::builder()
+        .max_concurrent_streams(opts.max_concurrent_streams)
+        .concurrency_limit_per_connection(opts.concurrency_limit as usize)
+        .timeout(Duration::from_millis(opts.request_timeout_ms))
+        .http2_keepalive_interval(keepalive)
+        .http2_keepalive_timeout(Some(Duration::from_millis(opts.keepalive_timeout_ms)));
+    if let Some(identity) = &settings.tls {
+        builder = builder.tls_config(tonic::transport::ServerTlsConfig::new().identity(identity.clone()))?;
+    }
+    let router = builder.add_service(health).add_service(v1).add_service(v1alpha);
     let router = add(router);
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     let (stopping_tx, stopping_rx) = tokio::sync::oneshot::channel::<()>();

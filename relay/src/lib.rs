@@ -44,4 +44,8 @@ pub struct Config {
     /// `once`, `send`, `drain`: give up connecting after this long.
     pub connect_deadline: Duration,
     pub crash: CrashSwitch,
+    /// Bearer token sent on every call (`--token-file`).
+    pub token: Option<std::sync::Arc<str>>,
+    /// PEM CA certificate to trust for an `https://` consumer URL (`--tls-ca`).
+    pub tls_ca: Option<Vec<u8>>,
 }

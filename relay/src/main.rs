@@ -27,6 +27,12 @@ struct Args {
     /// Envelopes in flight on the stream before waiting for an answer.
     #[arg(long, env = "ORDERED_EVENTS_RELAY_WINDOW", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096), global = true)]
     window: u32,
+    /// Send `authorization: Bearer <token>` (the file's content) on every call.
+    #[arg(long, env = "ORDERED_EVENTS_TOKEN_FILE", value_name = "FILE", global = true)]
+    token_file: Option<PathBuf>,
+    /// Trust this PEM CA certificate for an https:// consumer URL (TLS).
+    #[arg(long, env = "ORDERED_EVENTS_TLS_CA", value_name = "FILE", global = true)]
+    tls_ca: Option<PathBuf>,
     /// Log format on stderr.
     #[arg(long, env = "ORDERED_EVENTS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
     log_format: LogFormat,
@@ -85,6 +91,20 @@ async fn main() -> ExitCode {
             (relay::Mode::Run, Duration::from_millis(poll_ms), Duration::from_millis(max_backoff_ms.max(1)))
         }
     };
+    let token = match args.token_file.as_deref().map(proto::auth::read_token).transpose() {
+        Ok(token) => token,
+        Err(e) => {
+            eprintln!("relay: error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let tls_ca = match args.tls_ca.as_deref().map(std::fs::read).transpose() {
+        Ok(pem) => pem,
+        Err(e) => {
+            eprintln!("relay: error: TLS CA file: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let config = relay::Config {
         producer_db,
         consumer_url,
@@ -94,6 +114,8 @@ async fn main() -> ExitCode {
         max_backoff,
         connect_deadline: Duration::from_secs(10),
         crash,
+        token,
+        tls_ca,
     };
     match relay::run(config, proto::serve::shutdown_signal()).await {
         Ok(code) => ExitCode::from(code as u8),

@@ -8,12 +8,13 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use producer::store::OutboxRecord;
+use proto::auth::SendToken;
 use proto::body::Event;
 use proto::pb;
 use proto::pb::consumer_client::ConsumerClient;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 
 use crate::ledger::Ledger;
 use crate::output::{Report, is_accepted, is_refusal, word};
@@ -47,9 +48,9 @@ struct Session {
 }
 
 impl Session {
-    async fn open(channel: Channel, window: usize) -> Result<Session, RelayError> {
+    async fn open(channel: Channel, window: usize, config: &Config) -> Result<Session, RelayError> {
         let (outbound, rx) = mpsc::channel(window.max(1));
-        let answers = ConsumerClient::new(channel)
+        let answers = ConsumerClient::with_interceptor(channel, SendToken::new(config.token.as_deref()))
             .receive(ReceiverStream::new(rx))
             .await
             .map_err(|s| RelayError::Stream(s.to_string()))?
@@ -159,11 +160,18 @@ async fn pass(
     Ok(result)
 }
 
-async fn connect(url: &str, deadline: Duration) -> Result<Channel, RelayError> {
+async fn connect(config: &Config, deadline: Duration) -> Result<Channel, RelayError> {
+    let url = config.consumer_url.as_str();
     let unreachable = |reason: String| RelayError::Unreachable { url: url.to_owned(), reason };
-    let endpoint = Endpoint::from_shared(url.to_owned())
+    let mut endpoint = Endpoint::from_shared(url.to_owned())
         .map_err(|e| unreachable(format!("invalid URL: {e}")))?
         .connect_timeout(Duration::from_secs(2));
+    if let Some(ca) = &config.tls_ca {
+        let tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca));
+        endpoint = endpoint
+            .tls_config(tls)
+            .map_err(|e| unreachable(format!("TLS settings: {}", source_chain(&e))))?;
+    }
     let until = Instant::now() + deadline;
     let mut backoff = Duration::from_millis(100);
     loop {
@@ -214,16 +222,16 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<i
                 _ => ledger.unaccepted_after((String::new(), 0), 1).await?.into_iter().next(),
             };
             if let Some(row) = row {
-                let channel = connect(&config.consumer_url, config.connect_deadline).await?;
-                let mut session = Session::open(channel, 1).await?;
+                let channel = connect(&config, config.connect_deadline).await?;
+                let mut session = Session::open(channel, 1, &config).await?;
                 let source = Source::Rows(VecDeque::from([row]));
                 pass(&mut session, &ledger, source, &HashSet::new(), 1, &mut report, &never).await?;
             }
         }
         Mode::Drain => {
             if !ledger.unaccepted_after((String::new(), 0), 1).await?.is_empty() {
-                let channel = connect(&config.consumer_url, config.connect_deadline).await?;
-                let mut session = Session::open(channel, config.window).await?;
+                let channel = connect(&config, config.connect_deadline).await?;
+                let mut session = Session::open(channel, config.window, &config).await?;
                 let mut skip = HashSet::new();
                 // Repeat until a pass sends nothing: rows committed behind the cursor during
                 // a pass are found by the next one.
@@ -272,8 +280,8 @@ async fn run_forever(
     while !stopping() {
         if session.is_none() {
             let attempt = async {
-                let channel = connect(&config.consumer_url, Duration::ZERO).await?;
-                Session::open(channel, config.window).await
+                let channel = connect(config, Duration::ZERO).await?;
+                Session::open(channel, config.window, config).await
             };
             let opened = tokio::select! {
                 opened = attempt => opened,

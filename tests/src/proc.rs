@@ -194,6 +194,14 @@ impl Producer {
         Producer { process: ServerProcess::start("producer", &args, env, log), db }
     }
 
+    /// Starts a producer on the workdir's file with extra flags (limits, token, TLS).
+    pub fn start_with(work: &Workdir, extra: &[&str]) -> Producer {
+        let db = work.producer_db();
+        let process =
+            ServerProcess::start("producer", &server_args(&db, extra), &[], work.path("producer.log"));
+        Producer { process, db }
+    }
+
     pub async fn client(&self) -> ProducerClient<Channel> {
         ProducerClient::new(connect(&self.process.url()).await)
     }
@@ -221,6 +229,14 @@ impl Consumer {
             args.push("--support-v2".into());
         }
         Consumer { process: ServerProcess::start("consumer", &args, env, log), db }
+    }
+
+    /// Starts a consumer on the workdir's file with extra flags (limits, token, TLS, v2).
+    pub fn start_with(work: &Workdir, extra: &[&str]) -> Consumer {
+        let db = work.consumer_db();
+        let process =
+            ServerProcess::start("consumer", &server_args(&db, extra), &[], work.path("consumer.log"));
+        Consumer { process, db }
     }
 
     pub async fn client(&self) -> ConsumerClient<Channel> {
@@ -321,6 +337,14 @@ pub fn run_to_exit(bin: &str, args: &[&str], env: &[(&str, &str)], deadline: Dur
     let status = status
         .unwrap_or_else(|| panic!("{bin} {args:?} did not exit within {deadline:?}; stderr:\n{stderr}"));
     Finished { code: status.code(), stdout, stderr }
+}
+
+/// `--db DB --listen 127.0.0.1:0` followed by `extra`.
+pub fn server_args(db: &Path, extra: &[&str]) -> Vec<String> {
+    let mut args =
+        vec!["--db".to_owned(), db.display().to_string(), "--listen".to_owned(), "127.0.0.1:0".to_owned()];
+    args.extend(extra.iter().map(|a| (*a).to_owned()));
+    args
 }
 
 /// Connects to a server that already printed its address.

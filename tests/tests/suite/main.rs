@@ -7,4 +7,5 @@ mod consumer_race;
 mod producer;
 mod relay;
 mod scenarios;
+mod security;
 mod walkthrough;
