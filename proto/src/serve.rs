@@ -64,7 +64,7 @@ pub async fn shutdown_signal() {
 #[derive(Clone, Debug, clap::Args)]
 pub struct ServeOptions {
     /// Largest gRPC message a server decodes, in bytes; a larger one is refused with
-    /// RESOURCE_EXHAUSTED (on Receive, that ends the stream).
+    /// OUT_OF_RANGE, tonic's code for it (on Receive, that ends the stream).
     #[arg(long, env = "ORDERED_EVENTS_MAX_MESSAGE_BYTES", default_value_t = 1 << 20,
           value_parser = clap::value_parser!(u32).range(1024..=(64 << 20)))]
     pub max_message_bytes: u32,

@@ -4,6 +4,7 @@
 mod consumer;
 mod consumer_crash;
 mod consumer_race;
+mod hostile;
 mod producer;
 mod relay;
 mod scenarios;
