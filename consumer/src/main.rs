@@ -66,9 +66,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", args.listen))?;
     let addr = listener.local_addr()?;
+    let shutdown = proto::serve::shutdown_signal();
     proto::serve::announce(addr);
     tracing::info!(%addr, "consumer serving");
-    consumer::run(service, listener, proto::serve::shutdown_signal(), &settings).await?;
+    consumer::run(service, listener, shutdown, &settings).await?;
     tracing::info!("consumer stopped");
     Ok(())
 }

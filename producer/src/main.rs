@@ -39,8 +39,8 @@ async fn main() -> ExitCode {
     match run(args).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!("{e:#}");
-            eprintln!("producer: error: {e:#}");
+            // The top-level message already names the file and the cause; the chain would repeat it.
+            eprintln!("producer: error: {e}");
             ExitCode::FAILURE
         }
     }
@@ -54,9 +54,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", args.listen))?;
     let addr = listener.local_addr()?;
+    let shutdown = proto::serve::shutdown_signal();
     proto::serve::announce(addr);
     tracing::info!(%addr, "producer serving");
-    producer::run(service, listener, proto::serve::shutdown_signal(), &settings).await?;
+    producer::run(service, listener, shutdown, &settings).await?;
     tracing::info!("producer stopped");
     Ok(())
 }

@@ -42,19 +42,24 @@ pub fn announce(addr: SocketAddr) {
     let _ = out.flush();
 }
 
-/// Completes on SIGTERM or SIGINT.
-pub async fn shutdown_signal() {
+/// Completes on SIGTERM or SIGINT. The handlers are installed when this is called, not when
+/// the future is first polled: call it before announcing readiness, so a signal that comes
+/// right after the readiness line still shuts down cleanly.
+pub fn shutdown_signal() -> impl Future<Output = ()> + Send {
     use tokio::signal::unix::{SignalKind, signal};
-    match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
-        (Ok(mut term), Ok(mut int)) => {
-            tokio::select! {
-                _ = term.recv() => tracing::info!("SIGTERM received, shutting down"),
-                _ = int.recv() => tracing::info!("SIGINT received, shutting down"),
+    let handlers = (signal(SignalKind::terminate()), signal(SignalKind::interrupt()));
+    async move {
+        match handlers {
+            (Ok(mut term), Ok(mut int)) => {
+                tokio::select! {
+                    _ = term.recv() => tracing::info!("SIGTERM received, shutting down"),
+                    _ = int.recv() => tracing::info!("SIGINT received, shutting down"),
+                }
             }
-        }
-        (Err(e), _) | (_, Err(e)) => {
-            tracing::error!(error = %e, "cannot install signal handlers; only the process's death stops it");
-            std::future::pending::<()>().await;
+            (Err(e), _) | (_, Err(e)) => {
+                tracing::error!(error = %e, "cannot install signal handlers; only the process's death stops it");
+                std::future::pending::<()>().await;
+            }
         }
     }
 }

@@ -70,6 +70,7 @@ enum ModeArg {
 async fn main() -> ExitCode {
     let args = Args::parse();
     proto::serve::init_tracing(args.log_format);
+    let shutdown = proto::serve::shutdown_signal();
     let (Some(producer_db), Some(consumer_url)) = (args.producer_db, args.consumer) else {
         eprintln!(
             "relay: error: --producer-db (ORDERED_EVENTS_PRODUCER_DB) and --consumer (ORDERED_EVENTS_CONSUMER_URL) are required"
@@ -117,7 +118,7 @@ async fn main() -> ExitCode {
         token,
         tls_ca,
     };
-    match relay::run(config, proto::serve::shutdown_signal()).await {
+    match relay::run(config, shutdown).await {
         Ok(code) => ExitCode::from(code as u8),
         Err(e) => {
             eprintln!("relay: error: {e}");

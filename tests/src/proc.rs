@@ -388,43 +388,16 @@ impl RelayRun {
 
 /// Runs `relay --producer-db DB --consumer URL <args…>` to completion (with a deadline).
 pub fn relay(producer_db: &Path, consumer_url: &str, args: &[&str], env: &[(&str, &str)]) -> RelayRun {
-    let mut cmd = Command::new(bin_path("relay"));
-    cmd.arg("--producer-db").arg(producer_db).arg("--consumer").arg(consumer_url).args(args);
-    for var in ENV_VARS {
-        cmd.env_remove(var);
-    }
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
-    let mut child = cmd.spawn().expect("spawn relay");
-    let mut stdout = child.stdout.take().expect("piped");
-    let mut stderr = child.stderr.take().expect("piped");
-    let out_reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stdout.read_to_string(&mut s);
-        s
-    });
-    let err_reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stderr.read_to_string(&mut s);
-        s
-    });
-    let status = wait_with_deadline(&mut child, RELAY_DEADLINE);
-    if status.is_none() {
-        let _ = child.kill();
-        let _ = child.wait();
-    }
-    let out = out_reader.join().unwrap_or_default();
-    let stderr = err_reader.join().unwrap_or_default();
-    let status = status
-        .unwrap_or_else(|| panic!("relay {args:?} did not finish in {RELAY_DEADLINE:?}; stderr:\n{stderr}"));
-    let lines = out
+    let db = producer_db.display().to_string();
+    let mut all = vec!["--producer-db", db.as_str(), "--consumer", consumer_url];
+    all.extend_from_slice(args);
+    let Finished { code, stdout, stderr } = run_to_exit("relay", &all, env, RELAY_DEADLINE);
+    let lines = stdout
         .lines()
         .map(|l| {
             serde_json::from_str(l)
                 .unwrap_or_else(|e| panic!("relay stdout line is not JSON ({e}): {l:?}\nstderr:\n{stderr}"))
         })
         .collect();
-    RelayRun { code: status.code(), lines, stderr }
+    RelayRun { code, lines, stderr }
 }
