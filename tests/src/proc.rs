@@ -206,6 +206,22 @@ impl Producer {
         ProducerClient::new(connect(&self.process.url()).await)
     }
 
+    /// Advances `flow` through the steps after `done` (seq `done+1`, …), one per entry of
+    /// `schemas`, with event ids `<flow><seq>` and amount 3; returns the answers in order.
+    pub async fn advance_steps(&self, flow: &str, done: usize, schemas: &[u32]) -> Vec<pb::AdvanceResponse> {
+        const KINDS: [&str; 3] = ["reserved", "confirmed", "released"];
+        let mut answers = Vec::new();
+        for (i, schema) in schemas.iter().enumerate() {
+            let seq = done + i + 1;
+            let kind = KINDS.get(seq - 1).copied().unwrap_or("released");
+            answers.push(
+                self.advance(crate::advance(flow, &format!("{flow}{seq}"), seq as u64 - 1, kind, *schema))
+                    .await,
+            );
+        }
+        answers
+    }
+
     /// One `Advance`, unwrapping the transport (the answer is what tests look at).
     pub async fn advance(&self, req: pb::AdvanceRequest) -> pb::AdvanceResponse {
         self.client().await.advance(req).await.expect("Advance call").into_inner()

@@ -136,14 +136,7 @@ fn relay_view(run: &crate::RelayRun) -> Value {
 }
 
 async fn commit_steps(producer: &Producer, flow: &str, schemas: &[u32]) -> Vec<String> {
-    let kinds = ["reserved", "confirmed", "released"];
-    let mut words = Vec::new();
-    for (i, schema) in schemas.iter().enumerate() {
-        let r =
-            producer.advance(advance(flow, &format!("{flow}{}", i + 1), i as u64, kinds[i], *schema)).await;
-        words.push(advance_word(&r));
-    }
-    words
+    producer.advance_steps(flow, 0, schemas).await.iter().map(advance_word).collect()
 }
 
 fn count_by<T: Ord + Clone>(items: impl IntoIterator<Item = T>) -> BTreeMap<T, usize> {

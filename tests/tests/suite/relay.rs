@@ -9,11 +9,15 @@ use harness::proc::ServerProcess;
 use harness::{Consumer, Producer, Workdir, advance, relay};
 use proto::pb::{self, AdvanceOutcome, ApplyStop, ReceiveOutcome};
 
-async fn commit_flow(producer: &Producer, flow: &str, steps: usize) {
-    for (i, kind) in ["reserved", "confirmed", "released"].iter().enumerate().take(steps) {
-        let r = producer.advance(advance(flow, &format!("{flow}{}", i + 1), i as u64, kind, 1)).await;
+/// Commits steps `done+1 ..= done+steps` of `flow` and checks each was COMMITTED.
+async fn commit_flow_from(producer: &Producer, flow: &str, done: usize, steps: usize) {
+    for r in producer.advance_steps(flow, done, &vec![1; steps]).await {
         assert_eq!(AdvanceOutcome::try_from(r.outcome), Ok(AdvanceOutcome::Committed), "{r:?}");
     }
+}
+
+async fn commit_flow(producer: &Producer, flow: &str, steps: usize) {
+    commit_flow_from(producer, flow, 0, steps).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -207,7 +211,7 @@ async fn run_mode_follows_new_rows_and_survives_a_consumer_restart() {
     consumer.process.kill();
     let addr = consumer.process.addr.clone();
     let args = ["--db".to_owned(), consumer.db.display().to_string(), "--listen".to_owned(), addr];
-    commit_flow_from(&producer, "A", 2).await;
+    commit_flow_from(&producer, "A", 2, 1).await;
     let restarted = Consumer {
         process: ServerProcess::start("consumer", &args, &[], work.path("consumer2.log")),
         db: consumer.db.clone(),
@@ -224,14 +228,6 @@ async fn run_mode_follows_new_rows_and_survives_a_consumer_restart() {
     assert_eq!(run.summary()["mode"], "run");
     assert!(db::outbox(&producer.db).iter().all(|r| r.accepted));
     assert_eq!(restarted.apply("A").await.applied, 3);
-}
-
-async fn commit_flow_from(producer: &Producer, flow: &str, done: usize) {
-    let kinds = ["reserved", "confirmed", "released"];
-    for (i, kind) in kinds.iter().enumerate().skip(done) {
-        let r = producer.advance(advance(flow, &format!("{flow}{}", i + 1), i as u64, kind, 1)).await;
-        assert_eq!(AdvanceOutcome::try_from(r.outcome), Ok(AdvanceOutcome::Committed), "{r:?}");
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
