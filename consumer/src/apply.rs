@@ -204,7 +204,10 @@ mod tests {
         let event = proto::limits::check_envelope(&env).unwrap();
         let mut conn = lock(conn);
         let tx = db::begin_immediate(&mut conn).unwrap();
-        assert_eq!(store::insert_pending(&tx, &event, 1).unwrap(), store::ReceiveOutcome::Accepted);
+        assert_eq!(
+            store::insert_pending(&tx, &event, 1, store::Admission::Unlimited).unwrap(),
+            store::ReceiveOutcome::Accepted
+        );
         tx.commit().unwrap();
     }
 

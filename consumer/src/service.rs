@@ -139,8 +139,9 @@ impl ConsumerService {
         let (event, outcome) = self
             .with_conn(move |conn| {
                 let tx = db::begin_immediate(conn).map_err(|e| storage_status("receive", &e))?;
-                let outcome = store::insert_pending(&tx, &event, crate::now_us())
-                    .map_err(|e| store_status("receive", &e))?;
+                let outcome =
+                    store::insert_pending(&tx, &event, crate::now_us(), store::Admission::Unlimited)
+                        .map_err(|e| store_status("receive", &e))?;
                 if outcome == ReceiveOutcome::Accepted {
                     crash.reach(CrashPoint::ConsumerReceiveAfterInsert);
                     tx.commit().map_err(|e| storage_status("receive commit", &e))?;
@@ -155,6 +156,9 @@ impl ConsumerService {
             ReceiveOutcome::IdConflict => "event_id is already stored with a different body".to_owned(),
             ReceiveOutcome::SequenceConflict { held_by } => {
                 format!("seq {} of flow {} is held by event {held_by}", event.seq, event.flow_id)
+            }
+            ReceiveOutcome::BacklogFull { unapplied } => {
+                format!("backlog full: {unapplied} unapplied rows; nothing stored, send it again later")
             }
         };
         Ok(pb::ReceiveResult {
@@ -215,6 +219,7 @@ impl From<&ReceiveOutcome> for pb::ReceiveOutcome {
             ReceiveOutcome::Duplicate => pb::ReceiveOutcome::Duplicate,
             ReceiveOutcome::IdConflict => pb::ReceiveOutcome::IdConflict,
             ReceiveOutcome::SequenceConflict { .. } => pb::ReceiveOutcome::SequenceConflict,
+            ReceiveOutcome::BacklogFull { .. } => pb::ReceiveOutcome::BacklogFull,
         }
     }
 }

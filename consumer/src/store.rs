@@ -58,6 +58,18 @@ CREATE TABLE effect(
     applied_at_us INTEGER NOT NULL,
     UNIQUE(flow_id, seq)
 );
+-- The number of unapplied (pending + blocked) inbox rows, kept exact by triggers inside the
+-- same transactions that change it, so the backlog cap is checked in O(1).
+CREATE TABLE backlog(
+    id INTEGER PRIMARY KEY CHECK(id = 1),
+    unapplied INTEGER NOT NULL CHECK(unapplied >= 0)
+);
+INSERT INTO backlog(id, unapplied) VALUES (1, 0);
+CREATE TRIGGER backlog_insert AFTER INSERT ON inbox WHEN new.state <> 'applied'
+BEGIN UPDATE backlog SET unapplied = unapplied + 1 WHERE id = 1; END;
+CREATE TRIGGER backlog_applied AFTER UPDATE OF state ON inbox
+WHEN old.state <> 'applied' AND new.state = 'applied'
+BEGIN UPDATE backlog SET unapplied = unapplied - 1 WHERE id = 1; END;
 ";
 
 /// Why a store call failed.
@@ -140,11 +152,32 @@ pub enum ReceiveOutcome {
     IdConflict,
     /// Another event id holds this (flow_id, seq); nothing written.
     SequenceConflict { held_by: String },
+    /// The inbox holds `unapplied` rows, at or over the cap, and this event fills no gap;
+    /// nothing written. The sender retries later.
+    BacklogFull { unapplied: u64 },
+}
+
+/// How many unapplied rows the inbox may hold before new events are refused for now.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Admission {
+    /// No cap.
+    #[default]
+    Unlimited,
+    /// At most this many unapplied rows; an event that is exactly the next seq of a flow
+    /// already waiting in the inbox is always admitted, so a full backlog never starves the
+    /// event the stored rows wait for. A new flow's first event gets no such pass.
+    Cap(u64),
 }
 
 /// Inside the caller's `BEGIN IMMEDIATE` transaction: stores `event` as pending unless its
-/// event id or its (flow_id, seq) is already taken. Writes only for `Accepted`.
-pub fn insert_pending(tx: &Transaction<'_>, event: &Event, now_us: i64) -> Result<ReceiveOutcome> {
+/// event id or its (flow_id, seq) is already taken, or the backlog is full under
+/// `admission`. Writes only for `Accepted`.
+pub fn insert_pending(
+    tx: &Transaction<'_>,
+    event: &Event,
+    now_us: i64,
+    admission: Admission,
+) -> Result<ReceiveOutcome> {
     let body = event.canonical_body();
     let stored: Option<String> = tx
         .prepare_cached("SELECT body FROM inbox WHERE event_id = ?1")?
@@ -160,6 +193,12 @@ pub fn insert_pending(tx: &Transaction<'_>, event: &Event, now_us: i64) -> Resul
     if let Some(held_by) = holder {
         return Ok(ReceiveOutcome::SequenceConflict { held_by });
     }
+    if let Admission::Cap(cap) = admission {
+        let unapplied = unapplied_count(tx)?;
+        if unapplied >= cap && !fills_gap(tx, event)? {
+            return Ok(ReceiveOutcome::BacklogFull { unapplied });
+        }
+    }
     tx.prepare_cached(
         "INSERT INTO inbox(event_id, flow_id, seq, kind, schema, body, state, received_at_us)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'pending', ?7)",
@@ -174,6 +213,22 @@ pub fn insert_pending(tx: &Transaction<'_>, event: &Event, now_us: i64) -> Resul
         now_us
     ])?;
     Ok(ReceiveOutcome::Accepted)
+}
+
+/// Unapplied (pending + blocked) inbox rows, from the trigger-kept counter.
+pub fn unapplied_count(conn: &Connection) -> Result<u64> {
+    Ok(conn.prepare_cached("SELECT unapplied FROM backlog WHERE id = 1")?.query_row([], |r| r.get(0))?)
+}
+
+/// Whether `event` is exactly the next seq of a flow that already has rows waiting behind it.
+fn fills_gap(conn: &Connection, event: &Event) -> Result<bool> {
+    let next = projection(conn, &event.flow_id)?.last_seq + 1;
+    if event.seq != next {
+        return Ok(false);
+    }
+    Ok(conn
+        .prepare_cached(LATER_UNAPPLIED_SQL)?
+        .query_row(params![event.flow_id, event.seq], |r| r.get(0))?)
 }
 
 /// The flow's projection; a flow nothing was applied to is [`Projection::NEW`].
@@ -426,7 +481,7 @@ mod tests {
 
     fn receive(conn: &mut Connection, e: &Event) -> ReceiveOutcome {
         let tx = db::begin_immediate(conn).unwrap();
-        let outcome = insert_pending(&tx, e, 1).unwrap();
+        let outcome = insert_pending(&tx, e, 1, Admission::Unlimited).unwrap();
         tx.commit().unwrap();
         outcome
     }
@@ -441,6 +496,46 @@ mod tests {
         let outcome = apply_step(&tx, &row, &from, kind, &after, &CrashSwitch::default(), 2).unwrap();
         tx.commit().unwrap();
         Some(outcome)
+    }
+
+    fn receive_capped(conn: &mut Connection, e: &Event, cap: u64) -> ReceiveOutcome {
+        let tx = db::begin_immediate(conn).unwrap();
+        let outcome = insert_pending(&tx, e, 1, Admission::Cap(cap)).unwrap();
+        tx.commit().unwrap();
+        outcome
+    }
+
+    #[test]
+    fn a_full_backlog_refuses_new_work_but_admits_the_awaited_seq() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut conn = open(&dir.path().join("c.db")).unwrap();
+        assert_eq!(receive_capped(&mut conn, &reference("A", 1), 3), ReceiveOutcome::Accepted);
+        assert!(step(&mut conn, "A").is_some());
+        // A waits for seq 2 behind seq 3; B and C fill the backlog to its cap of 3.
+        for e in [reference("A", 3), reference("B", 1), reference("C", 1)] {
+            assert_eq!(receive_capped(&mut conn, &e, 3), ReceiveOutcome::Accepted, "{}", e.event_id);
+        }
+        assert_eq!(unapplied_count(&conn).unwrap(), 3);
+        // A new flow's first event and a non-next seq are refused; nothing is stored.
+        assert_eq!(
+            receive_capped(&mut conn, &reference("D", 1), 3),
+            ReceiveOutcome::BacklogFull { unapplied: 3 }
+        );
+        assert_eq!(
+            receive_capped(&mut conn, &reference("B", 2), 3),
+            ReceiveOutcome::BacklogFull { unapplied: 3 }
+        );
+        // Duplicates and conflicts are still told apart when full.
+        assert_eq!(receive_capped(&mut conn, &reference("B", 1), 3), ReceiveOutcome::Duplicate);
+        // The seq A waits for is admitted over the cap, and the backlog drains as it applies.
+        assert_eq!(receive_capped(&mut conn, &reference("A", 2), 3), ReceiveOutcome::Accepted);
+        assert_eq!(unapplied_count(&conn).unwrap(), 4);
+        while step(&mut conn, "A").is_some() {}
+        assert_eq!(unapplied_count(&conn).unwrap(), 2);
+        let stored: i64 =
+            conn.query_row("SELECT count(*) FROM inbox WHERE state <> 'applied'", [], |r| r.get(0)).unwrap();
+        assert_eq!(stored, 2, "the counter matches the rows");
+        assert_eq!(receive_capped(&mut conn, &reference("D", 1), 3), ReceiveOutcome::Accepted);
     }
 
     fn plan(conn: &Connection, sql: &str, params: impl rusqlite::Params) -> String {
