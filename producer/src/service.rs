@@ -100,6 +100,8 @@ impl From<&AdvanceOutcome> for pb::AdvanceOutcome {
             AdvanceOutcome::Conflict => pb::AdvanceOutcome::Conflict,
             AdvanceOutcome::Stale => pb::AdvanceOutcome::Stale,
             AdvanceOutcome::InvalidTransition(_) => pb::AdvanceOutcome::InvalidTransition,
+            // Never sent as an answer: it becomes RESOURCE_EXHAUSTED (see `outbox_full`).
+            AdvanceOutcome::OutboxFull { .. } => pb::AdvanceOutcome::Unspecified,
         }
     }
 }
@@ -112,7 +114,16 @@ fn detail(reply: &AdvanceReply, expected_seq: u64) -> String {
             format!("expected_seq {expected_seq} but the flow is at seq {}", reply.flow.seq)
         }
         AdvanceOutcome::InvalidTransition(e) => e.to_string(),
+        AdvanceOutcome::OutboxFull { unaccepted } => format!("{unaccepted} outbox rows wait for the relay"),
     }
+}
+
+/// The status for an Advance refused because the outbox is at its cap: the caller retries
+/// later (nothing was dropped or changed).
+fn outbox_full(unaccepted: u64) -> Status {
+    Status::resource_exhausted(format!(
+        "outbox full: {unaccepted} committed events wait for the relay (--max-unaccepted); nothing changed, retry later"
+    ))
 }
 
 #[tonic::async_trait]
@@ -127,8 +138,8 @@ impl pb::producer_server::Producer for ProducerService {
         let reply = self
             .with_conn(move |conn| {
                 let tx = db::begin_immediate(conn).map_err(|e| storage_status("advance", &e))?;
-                let reply =
-                    store::advance(&tx, &cmd, &crash, now_us()).map_err(|e| storage_status("advance", &e))?;
+                let reply = store::advance(&tx, &cmd, &crash, now_us(), None)
+                    .map_err(|e| storage_status("advance", &e))?;
                 if reply.outcome == AdvanceOutcome::Committed {
                     tx.commit().map_err(|e| storage_status("advance commit", &e))?;
                     crash.reach(CrashPoint::ProducerAfterCommit);
@@ -136,6 +147,9 @@ impl pb::producer_server::Producer for ProducerService {
                 Ok(reply)
             })
             .await?;
+        if let AdvanceOutcome::OutboxFull { unaccepted } = reply.outcome {
+            return Err(outbox_full(unaccepted));
+        }
         tracing::debug!(flow_id = %req.flow_id, event_id = %req.event_id, outcome = ?reply.outcome, "advance");
         Ok(Response::new(pb::AdvanceResponse {
             outcome: pb::AdvanceOutcome::from(&reply.outcome) as i32,

@@ -42,6 +42,18 @@ CREATE TABLE outbox(
 );
 -- Only unaccepted rows are indexed: finding the relay's work never scans the history.
 CREATE INDEX outbox_unaccepted ON outbox(flow_id, seq) WHERE accepted = 0;
+-- The number of unaccepted outbox rows, kept exact by triggers inside the transactions that
+-- change it, so the outbox cap is an O(1) read.
+CREATE TABLE backlog(
+    id INTEGER PRIMARY KEY CHECK(id = 1),
+    unaccepted INTEGER NOT NULL CHECK(unaccepted >= 0)
+);
+INSERT INTO backlog(id, unaccepted) VALUES (1, 0);
+CREATE TRIGGER backlog_insert AFTER INSERT ON outbox WHEN new.accepted = 0
+BEGIN UPDATE backlog SET unaccepted = unaccepted + 1 WHERE id = 1; END;
+CREATE TRIGGER backlog_accepted AFTER UPDATE OF accepted ON outbox
+WHEN old.accepted = 0 AND new.accepted = 1
+BEGIN UPDATE backlog SET unaccepted = unaccepted - 1 WHERE id = 1; END;
 ";
 
 /// Opens producer.db with the shared settings (`Create` for the server, `Existing` for the
@@ -84,6 +96,11 @@ pub enum AdvanceOutcome {
     Conflict,
     Stale,
     InvalidTransition(TransitionError),
+    /// The step is legal, but `unaccepted` outbox rows already wait for the relay, at or
+    /// over the cap; nothing changed. Retry after the relay caught up.
+    OutboxFull {
+        unaccepted: u64,
+    },
 }
 
 /// The answer to one `Advance`: the outcome, the flow as it now stands, and the stored event
@@ -104,6 +121,7 @@ pub fn advance(
     cmd: &AdvanceCommand,
     crash: &CrashSwitch,
     now_us: i64,
+    max_unaccepted: Option<u64>,
 ) -> rusqlite::Result<AdvanceReply> {
     let flow = flow_record(tx, &cmd.flow_id)?;
     if let Some(stored) = outbox_row(tx, &cmd.event_id)? {
@@ -123,6 +141,16 @@ pub fn advance(
             return Ok(AdvanceReply { outcome: AdvanceOutcome::InvalidTransition(e), flow, event: None });
         }
     };
+    if let Some(cap) = max_unaccepted {
+        let unaccepted = unaccepted_count(tx)?;
+        if unaccepted >= cap {
+            return Ok(AdvanceReply {
+                outcome: AdvanceOutcome::OutboxFull { unaccepted },
+                flow,
+                event: None,
+            });
+        }
+    }
     let event = cmd.event();
     tx.execute(
         "INSERT INTO flow(flow_id, seq, state, amount) VALUES (?1, ?2, ?3, ?4)
@@ -245,6 +273,11 @@ pub fn record_delivery(
     Ok(stmt.execute(params![event_id, outcome, accepted, now_us])? == 1)
 }
 
+/// Unaccepted outbox rows, from the trigger-kept counter.
+pub fn unaccepted_count(conn: &Connection) -> rusqlite::Result<u64> {
+    conn.prepare_cached("SELECT unaccepted FROM backlog WHERE id = 1")?.query_row([], |r| r.get(0))
+}
+
 /// Counts of outbox rows: (all, unaccepted).
 pub fn outbox_counts(conn: &Connection) -> rusqlite::Result<(u64, u64)> {
     let total = conn.query_row("SELECT count(*) FROM outbox", [], |r| r.get(0))?;
@@ -276,7 +309,7 @@ mod tests {
 
     fn run(conn: &mut Connection, c: &AdvanceCommand) -> AdvanceReply {
         let tx = db::begin_immediate(conn).unwrap();
-        let reply = advance(&tx, c, &CrashSwitch::default(), 1).unwrap();
+        let reply = advance(&tx, c, &CrashSwitch::default(), 1, None).unwrap();
         tx.commit().unwrap();
         reply
     }
@@ -298,6 +331,36 @@ mod tests {
         assert_eq!(run(&mut conn, &other_flow).outcome, AdvanceOutcome::Conflict);
         assert_eq!(run(&mut conn, &cmd("A9", 1, "confirmed", 1, 3)).outcome, AdvanceOutcome::Stale);
         assert_eq!(flow_outbox(&conn, "A").unwrap().len(), 3);
+    }
+
+    #[test]
+    fn a_full_outbox_refuses_new_steps_but_still_answers_retries() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut conn = open(&dir.path().join("p.db"), OpenMode::Create).unwrap();
+        let capped = |conn: &mut Connection, c: &AdvanceCommand| {
+            let tx = db::begin_immediate(conn).unwrap();
+            let reply = advance(&tx, c, &CrashSwitch::default(), 1, Some(2)).unwrap();
+            tx.commit().unwrap();
+            reply.outcome
+        };
+        assert_eq!(capped(&mut conn, &cmd("A1", 0, "reserved", 1, 3)), AdvanceOutcome::Committed);
+        assert_eq!(capped(&mut conn, &cmd("A2", 1, "confirmed", 1, 3)), AdvanceOutcome::Committed);
+        assert_eq!(unaccepted_count(&conn).unwrap(), 2);
+        assert_eq!(
+            capped(&mut conn, &cmd("A3", 2, "released", 1, 3)),
+            AdvanceOutcome::OutboxFull { unaccepted: 2 }
+        );
+        // Retries and rejections are still answered as usual when full.
+        assert_eq!(capped(&mut conn, &cmd("A1", 0, "reserved", 1, 3)), AdvanceOutcome::Existing);
+        assert_eq!(capped(&mut conn, &cmd("A9", 0, "reserved", 1, 3)), AdvanceOutcome::Stale);
+        assert_eq!(flow_record(&conn, "A").unwrap().seq, 2);
+        // Once the relay marks a row accepted, there is room again.
+        let tx = db::begin_immediate(&mut conn).unwrap();
+        record_delivery(&tx, "A1", "ACCEPTED", true, 2).unwrap();
+        record_delivery(&tx, "A1", "DUPLICATE", true, 3).unwrap();
+        tx.commit().unwrap();
+        assert_eq!(unaccepted_count(&conn).unwrap(), 1);
+        assert_eq!(capped(&mut conn, &cmd("A3", 2, "released", 1, 3)), AdvanceOutcome::Committed);
     }
 
     #[test]
