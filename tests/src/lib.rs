@@ -4,6 +4,7 @@
 
 pub mod background;
 pub mod canon;
+pub mod chaos;
 pub mod checker;
 pub mod db;
 pub mod proc;
