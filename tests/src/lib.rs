@@ -7,6 +7,7 @@ pub mod canon;
 pub mod chaos;
 pub mod checker;
 pub mod db;
+pub mod model;
 pub mod proc;
 pub mod race;
 pub mod rng;

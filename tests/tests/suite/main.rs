@@ -5,6 +5,7 @@ mod chaos;
 mod consumer;
 mod consumer_crash;
 mod consumer_race;
+mod model;
 mod producer;
 mod relay;
 mod scenarios;
