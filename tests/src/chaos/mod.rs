@@ -192,8 +192,8 @@ pub struct ChaosReport {
     pub duplicates: u64,
     pub observed: Observed,
     pub consumer_moves: u64,
-    /// A hash of the schedule steps that ran (thresholds and victims): the same seed gives
-    /// the same fingerprint.
+    /// A hash of the schedule steps that ran (thresholds and victims): the same seed and the
+    /// same number of kills give the same fingerprint.
     pub schedule_fingerprint: String,
     pub verdict: Verdict,
     pub unmet_floors: Vec<String>,
@@ -253,8 +253,8 @@ impl ChaosReport {
                 self.relay_answers, self.relay_truncated_lines
             ),
             format!(
-                "chaos: schedule fingerprint {} (same seed, same fingerprint)",
-                self.schedule_fingerprint
+                "chaos: schedule fingerprint {} over {} kills (the same seed replays the same schedule)",
+                self.schedule_fingerprint, self.kills_total
             ),
         ];
         out.extend(self.verdict.summary_lines().into_iter().map(|l| format!("chaos: checker {l}")));
