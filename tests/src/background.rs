@@ -49,6 +49,19 @@ impl RelayDaemon {
         self.child.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)))
     }
 
+    /// The child's process id (while it is owned).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// SIGKILL, now, and reap it; its stdout file keeps every complete line it wrote.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
     /// SIGTERM, wait for the exit, and read its lines.
     pub fn terminate(mut self, deadline: Duration) -> RelayRun {
         let mut child = self.child.take().expect("running relay");
@@ -84,18 +97,23 @@ impl Drop for RelayDaemon {
 
 /// Polls `check` until it returns `Some` or `deadline` passes; panics with `describe()` (the
 /// last state seen) on time-out.
-pub fn wait_for<T>(
-    deadline: Duration,
-    mut check: impl FnMut() -> Option<T>,
-    describe: impl Fn() -> String,
-) -> T {
+pub fn wait_for<T>(deadline: Duration, check: impl FnMut() -> Option<T>, describe: impl Fn() -> String) -> T {
+    poll(deadline, check)
+        .unwrap_or_else(|| panic!("condition not met within {deadline:?}; last state: {}", describe()))
+}
+
+/// Polls `check` until it returns `Some` or `deadline` passes (then `None`): the non-panicking
+/// form of [`wait_for`], for callers that report a hang themselves.
+pub fn poll<T>(deadline: Duration, mut check: impl FnMut() -> Option<T>) -> Option<T> {
     let until = Instant::now() + deadline;
     let mut pause = Duration::from_millis(2);
     loop {
         if let Some(v) = check() {
-            return v;
+            return Some(v);
         }
-        assert!(Instant::now() < until, "condition not met within {deadline:?}; last state: {}", describe());
+        if Instant::now() >= until {
+            return None;
+        }
         // A pause between polls of a predicate, not a guess at how long something takes.
         std::thread::park_timeout(pause);
         pause = (pause * 2).min(Duration::from_millis(50));

@@ -3,9 +3,14 @@
 //! lines, exits and predicates (never on sleeps), and reads the database files back.
 
 pub mod background;
+pub mod canon;
+pub mod chaos;
+pub mod checker;
 pub mod db;
+pub mod model;
 pub mod proc;
 pub mod race;
+pub mod rng;
 pub mod scenarios;
 
 pub use proc::{Consumer, Finished, Producer, RelayRun, Workdir, bin_path, relay, run_to_exit};

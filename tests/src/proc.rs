@@ -71,7 +71,20 @@ impl ServerProcess {
     /// Starts `bin args…` with `env`, stderr to `log`, and waits for the first stdout line
     /// (the bound address). Panics with the log when the process dies or the line is late.
     pub fn start(bin: &str, args: &[String], env: &[(&str, &str)], log: PathBuf) -> ServerProcess {
-        let err = std::fs::File::create(&log).expect("create log file");
+        Self::try_start(bin, args, env, log, START_DEADLINE).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`ServerProcess::start`] that reports a process that died or stayed silent for
+    /// `deadline` as an error (with its log) instead of panicking: for callers that expect a
+    /// start to fail sometimes (an address still taken after a kill, say).
+    pub fn try_start(
+        bin: &str,
+        args: &[String],
+        env: &[(&str, &str)],
+        log: PathBuf,
+        deadline: Duration,
+    ) -> Result<ServerProcess, String> {
+        let err = std::fs::File::create(&log).map_err(|e| format!("create {}: {e}", log.display()))?;
         let mut cmd = Command::new(bin_path(bin));
         cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(err);
         for var in ENV_VARS {
@@ -81,7 +94,7 @@ impl ServerProcess {
         for (k, v) in env {
             cmd.env(k, v);
         }
-        let mut child = cmd.spawn().unwrap_or_else(|e| panic!("spawn {bin}: {e}"));
+        let mut child = cmd.spawn().map_err(|e| format!("spawn {bin}: {e}"))?;
         let stdout = child.stdout.take().expect("piped stdout");
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
@@ -97,14 +110,21 @@ impl ServerProcess {
             }
         });
         let mut server = ServerProcess { child: Some(child), addr: String::new(), log };
-        match rx.recv_timeout(START_DEADLINE) {
-            Ok(Ok(addr)) if !addr.is_empty() => server.addr = addr,
-            other => panic!(
-                "{bin} did not print its address within {START_DEADLINE:?} ({other:?}); log:\n{}",
+        match rx.recv_timeout(deadline) {
+            Ok(Ok(addr)) if !addr.is_empty() => {
+                server.addr = addr;
+                Ok(server)
+            }
+            other => Err(format!(
+                "{bin} did not print its address within {deadline:?} ({other:?}); log:\n{}",
                 server.log_text()
-            ),
+            )),
         }
-        server
+    }
+
+    /// The child's process id (while it is owned).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
     }
 
     /// `http://ADDR`, for clients and the relay.

@@ -1,11 +1,13 @@
 //! The multi-process test suite: real binaries, real files, one module per topic.
 //! Build the binaries first: `cargo build --release --bins`.
 
+mod chaos;
 mod cli;
 mod consumer;
 mod consumer_crash;
 mod consumer_race;
 mod hostile;
+mod model;
 mod producer;
 mod relay;
 mod scenarios;

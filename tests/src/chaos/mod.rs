@@ -1,0 +1,666 @@
+//! The chaos run of issue 9: producer, consumer and two `relay run`s as real processes under
+//! load from concurrent Advance clients, SIGKILLed on a seeded schedule paced by the
+//! committed count and restarted; then, once the faults stop and everything drains, the
+//! independent [`checker`](crate::checker) judges the files and the recorded answers, and
+//! the run fails if it broke an invariant or did not reach its coverage floors.
+
+pub mod cluster;
+pub mod load;
+pub mod schedule;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::background::poll;
+use crate::checker::{self, Drain, Observed, Verdict};
+use cluster::{Cluster, ProcessOptions};
+use load::{LoadOptions, Progress};
+use schedule::{KillStep, Quota, Victim};
+
+/// Minimums a run must reach, or it fails as under-exercised.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Floors {
+    pub kills_total: u64,
+    /// Per kind of process: producer, consumer, relay.
+    pub kills_per_kind: u64,
+    pub committed_events: u64,
+    pub flows: u64,
+    pub in_progress: u64,
+    /// Duplicate deliveries (DUPLICATE answers to relays or to the injector).
+    pub duplicates: u64,
+    /// Inbox rows that arrived after a larger seq of their flow.
+    pub out_of_order: u64,
+}
+
+/// Everything a chaos run does.
+#[derive(Clone, Debug)]
+pub struct ChaosConfig {
+    pub profile: &'static str,
+    pub seed: u64,
+    /// Concurrent Advance clients (each has one flow in progress at a time).
+    pub clients: usize,
+    /// Flows to run at least (`None`: until `duration` passes).
+    pub flows: Option<u64>,
+    /// How long the load and the faults go on (`None`: until the flows and the schedule's
+    /// blocks are done).
+    pub duration: Option<Duration>,
+    /// One block of the kill schedule, and how many blocks (`None`: as many as `duration`
+    /// allows).
+    pub quota: Quota,
+    pub blocks: Option<u64>,
+    pub floors: Floors,
+    /// Let the consumer apply by itself (`consumer --auto-apply`) instead of the driver's
+    /// applier task. The flag does not exist yet: leave false until it does.
+    pub auto_apply: bool,
+    /// `relay run` flags.
+    pub relay_args: Vec<String>,
+    pub max_backlog: u64,
+    pub decoy_percent: u64,
+    pub schema2_percent: u64,
+    /// Whether the injector runs (early, reordered, duplicate and forged deliveries), and
+    /// how often (one batch per this many committed events).
+    pub inject: bool,
+    pub inject_every: u64,
+    /// The load and the faults must be done within this; the drain within `drain`.
+    pub budget: Duration,
+    pub drain: Duration,
+    /// How long any single wait for progress may take before it is reported as a hang.
+    pub hang: Duration,
+}
+
+impl ChaosConfig {
+    /// A named profile: `ci` (the floors of issue 9 in about 5 minutes on 2 cores), `soak`
+    /// (10 minutes of faults per seed, for running outside CI) or `smoke` (a few seconds, for
+    /// the test suite).
+    pub fn profile(name: &str, seed: u64) -> Option<ChaosConfig> {
+        let ci = ChaosConfig {
+            profile: "ci",
+            seed,
+            clients: 24,
+            flows: Some(3_400),
+            duration: None,
+            quota: Quota {
+                producer: 50,
+                consumer: 50,
+                relay_each: 30,
+                double_percent: 20,
+                start: 150,
+                span: 9_400,
+            },
+            blocks: Some(1),
+            floors: Floors {
+                kills_total: 150,
+                kills_per_kind: 30,
+                committed_events: 10_000,
+                flows: 3_400,
+                in_progress: 16,
+                duplicates: 500,
+                out_of_order: 50,
+            },
+            auto_apply: false,
+            relay_args: ["--max-backoff-ms", "1000", "--poll-ms", "20"].map(String::from).to_vec(),
+            max_backlog: 1_500,
+            decoy_percent: 15,
+            schema2_percent: 20,
+            inject: true,
+            inject_every: 40,
+            budget: Duration::from_secs(300),
+            drain: Duration::from_secs(120),
+            hang: Duration::from_secs(60),
+        };
+        match name {
+            "ci" => Some(ci),
+            // A few seconds of the same machinery, for the test suite.
+            "smoke" => Some(ChaosConfig {
+                profile: "smoke",
+                clients: 16,
+                flows: Some(300),
+                quota: Quota {
+                    producer: 4,
+                    consumer: 4,
+                    relay_each: 2,
+                    double_percent: 25,
+                    start: 60,
+                    span: 700,
+                },
+                floors: Floors {
+                    kills_total: 12,
+                    kills_per_kind: 4,
+                    committed_events: 900,
+                    flows: 300,
+                    in_progress: 16,
+                    duplicates: 1,
+                    out_of_order: 0,
+                },
+                budget: Duration::from_secs(120),
+                drain: Duration::from_secs(60),
+                hang: Duration::from_secs(30),
+                ..ci
+            }),
+            "soak" => Some(ChaosConfig {
+                profile: "soak",
+                clients: 32,
+                flows: None,
+                duration: Some(Duration::from_secs(600)),
+                blocks: None,
+                budget: Duration::from_secs(660),
+                ..ci
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// One SIGKILL.
+#[derive(Clone, Debug, Serialize)]
+pub struct KillRecord {
+    pub step: usize,
+    pub victim: Victim,
+    pub pid: u32,
+    /// The schedule's threshold, and the committed count when the kill happened.
+    pub threshold: u64,
+    pub at_committed: u64,
+    pub at_ms: u64,
+}
+
+/// What a run did and what the checker said.
+#[derive(Clone, Debug, Serialize)]
+pub struct ChaosReport {
+    pub profile: &'static str,
+    pub seed: u64,
+    pub seconds: f64,
+    pub load_seconds: f64,
+    pub drain_seconds: Option<f64>,
+    pub kills_per_kind: BTreeMap<&'static str, u64>,
+    pub kills_total: u64,
+    pub double_kill_steps: u64,
+    pub committed_events: u64,
+    pub flows: u64,
+    pub max_in_progress: u64,
+    pub unknown_calls: u64,
+    pub advance_calls: u64,
+    pub relay_answers: BTreeMap<String, u64>,
+    pub relay_truncated_lines: u64,
+    pub injected: u64,
+    pub injected_duplicates: u64,
+    pub forged: u64,
+    pub duplicates: u64,
+    pub observed: Observed,
+    pub consumer_moves: u64,
+    /// A hash of the schedule steps that ran (thresholds and victims): the same seed and the
+    /// same number of kills give the same fingerprint.
+    pub schedule_fingerprint: String,
+    pub verdict: Verdict,
+    pub unmet_floors: Vec<String>,
+    pub fatal: Option<String>,
+    pub kills: Vec<KillRecord>,
+}
+
+impl ChaosReport {
+    /// True when no invariant broke, every floor was met and nothing hung.
+    pub fn passed(&self) -> bool {
+        self.verdict.ok() && self.unmet_floors.is_empty() && self.fatal.is_none()
+    }
+
+    /// The human summary (one fact per line).
+    pub fn summary(&self) -> String {
+        let mut out = vec![
+            format!("chaos: profile {} seed {}", self.profile, self.seed),
+            format!(
+                "chaos: {:.0}s in all ({:.0}s load and faults, drain {})",
+                self.seconds,
+                self.load_seconds,
+                self.drain_seconds.map_or("timed out".into(), |d| format!("{d:.1}s"))
+            ),
+            format!(
+                "chaos: kills {} (producer {}, consumer {}, relay {}; {} double-kill steps)",
+                self.kills_total,
+                self.kills_per_kind.get("producer").unwrap_or(&0),
+                self.kills_per_kind.get("consumer").unwrap_or(&0),
+                self.kills_per_kind.get("relay").unwrap_or(&0),
+                self.double_kill_steps
+            ),
+            format!(
+                "chaos: committed events {} over {} flows, max {} flows in progress; {} Advance calls, {} ambiguous (retried)",
+                self.committed_events,
+                self.flows,
+                self.max_in_progress,
+                self.advance_calls,
+                self.unknown_calls
+            ),
+            format!(
+                "chaos: duplicates {} (relay DUPLICATE answers {}, injected duplicates {}); outbox rows resent {} ({} extra sends)",
+                self.duplicates,
+                self.relay_answers.get("DUPLICATE").unwrap_or(&0),
+                self.injected_duplicates,
+                self.observed.rows_resent,
+                self.observed.extra_sends
+            ),
+            format!(
+                "chaos: out-of-order arrivals {} in {} flows; injected {} envelopes, forged {} (all must be refused)",
+                self.observed.out_of_order_arrivals,
+                self.observed.out_of_order_flows,
+                self.injected,
+                self.forged
+            ),
+            format!(
+                "chaos: relay answers {:?} ({} lines cut by a kill)",
+                self.relay_answers, self.relay_truncated_lines
+            ),
+            format!(
+                "chaos: schedule fingerprint {} over {} kills (the same seed replays the same schedule)",
+                self.schedule_fingerprint, self.kills_total
+            ),
+        ];
+        out.extend(self.verdict.summary_lines().into_iter().map(|l| format!("chaos: checker {l}")));
+        if self.unmet_floors.is_empty() {
+            out.push("chaos: floors reached".into());
+        } else {
+            out.extend(self.unmet_floors.iter().map(|f| format!("chaos: FLOOR NOT MET: {f}")));
+        }
+        if let Some(f) = &self.fatal {
+            out.push(format!("chaos: FATAL: {f}"));
+        }
+        out.push(format!("chaos: verdict {}", if self.passed() { "PASS" } else { "FAIL" }));
+        out.join("\n")
+    }
+}
+
+/// Runs the chaos test in `dir` (which receives the files and every process's log).
+pub fn run(cfg: &ChaosConfig, dir: &Path) -> ChaosReport {
+    let started = Instant::now();
+    let progress = Arc::new(Progress::default());
+    let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            progress.fail(format!("tokio runtime: {e}"));
+            return report(
+                cfg,
+                &progress,
+                None,
+                Vec::new(),
+                started,
+                0.0,
+                None,
+                Verdict::default(),
+                Observed::default(),
+            );
+        }
+    };
+    let opts = ProcessOptions {
+        auto_apply: cfg.auto_apply,
+        relay_args: cfg.relay_args.clone(),
+        start_deadline: cfg.hang,
+    };
+    let mut cluster = match Cluster::start(dir, opts) {
+        Ok(c) => c,
+        Err(e) => {
+            progress.fail(format!("start-up: {e}"));
+            return report(
+                cfg,
+                &progress,
+                None,
+                Vec::new(),
+                started,
+                0.0,
+                None,
+                Verdict::default(),
+                Observed::default(),
+            );
+        }
+    };
+    let files = cluster.files.clone();
+
+    // Observers and load.
+    let monitor = {
+        let progress = Arc::clone(&progress);
+        let db = files.consumer_db.clone();
+        std::thread::spawn(move || load::monitor(&db, &progress))
+    };
+    let load_opts = LoadOptions {
+        seed: cfg.seed,
+        flows: cfg.flows,
+        max_backlog: cfg.max_backlog,
+        decoy_percent: cfg.decoy_percent,
+        schema2_percent: cfg.schema2_percent,
+        inject_every: cfg.inject_every,
+        hang: cfg.hang,
+    };
+    let next_flow = Arc::new(AtomicU64::new(0));
+    let mut clients = Vec::new();
+    for _ in 0..cfg.clients {
+        let (progress, opts, next_flow) = (Arc::clone(&progress), load_opts.clone(), Arc::clone(&next_flow));
+        let ep = cluster.producer_ep.subscribe();
+        let flows = cfg.flows;
+        clients.push(runtime.spawn(async move {
+            let more = |n: u64| {
+                let wanted = flows.is_some_and(|f| n < f);
+                wanted || !progress.faults_done.load(Ordering::SeqCst)
+            };
+            load::client(&next_flow, ep, &progress, &opts, more).await;
+        }));
+    }
+    let applier = (!cfg.auto_apply).then(|| {
+        let (progress, ep) = (Arc::clone(&progress), cluster.consumer_ep.subscribe());
+        runtime.spawn(async move { load::applier(ep, &progress).await })
+    });
+    let injector = cfg.inject.then(|| {
+        let (progress, ep, opts, files) =
+            (Arc::clone(&progress), cluster.consumer_ep.subscribe(), load_opts.clone(), files.clone());
+        runtime.spawn(async move { load::injector(&files, ep, &progress, &opts).await })
+    });
+
+    // Faults, on this thread.
+    let kills = supervise(cfg, &mut cluster, &progress, started);
+    progress.faults_done.store(true, Ordering::SeqCst);
+    if cfg.flows.is_none() || progress.failed() {
+        progress.stop_load.store(true, Ordering::SeqCst);
+    }
+    progress.changed.notify_waiters();
+    let until = started + cfg.budget;
+    for c in clients {
+        let left = until.saturating_duration_since(Instant::now()).max(cfg.hang);
+        if runtime.block_on(async { tokio::time::timeout(left, c).await }).is_err() {
+            progress
+                .fail(format!("the Advance clients did not finish within the budget of {:?}", cfg.budget));
+        }
+    }
+    progress.stop_load.store(true, Ordering::SeqCst);
+    progress.changed.notify_waiters();
+    if let Some(i) = injector {
+        let _ = runtime.block_on(async { tokio::time::timeout(cfg.hang, i).await });
+    }
+    let load_seconds = started.elapsed().as_secs_f64();
+    eprintln!("chaos: load and faults done after {load_seconds:.0}s; draining");
+
+    // Drain (I6), then stop everything and judge.
+    let drain = checker::wait_drained(&files, cfg.drain);
+    progress.stop_all.store(true, Ordering::SeqCst);
+    progress.changed.notify_waiters();
+    if let Some(a) = applier {
+        let _ = runtime.block_on(async { tokio::time::timeout(cfg.hang, a).await });
+    }
+    let _ = monitor.join();
+    cluster.stop();
+    drop(runtime);
+    let history = std::mem::take(&mut *progress.history.lock().unwrap_or_else(|p| p.into_inner()));
+    let verdict = checker::check(&files, &history, &drain);
+    let observed = checker::Snapshot::read(&files).map(|s| checker::observe(&s)).unwrap_or_default();
+    if !verdict.ok() {
+        // The evidence for a post-mortem (kept with the files when the run fails).
+        if let Ok(text) = serde_json::to_string(&history) {
+            let _ = std::fs::write(dir.join("history.json"), text);
+        }
+    }
+    let drain_seconds = match drain {
+        Drain::Drained(d) => Some(d.as_secs_f64()),
+        Drain::TimedOut { .. } => None,
+    };
+    let mut r = report(
+        cfg,
+        &progress,
+        Some(&cluster),
+        kills,
+        started,
+        load_seconds,
+        drain_seconds,
+        verdict,
+        observed,
+    );
+    r.advance_calls = history.advances.len() as u64;
+    r
+}
+
+/// What the servers had written, read from the files: the producer's highest outbox rowid;
+/// the consumer's highest inbox rowid and its effect count. A server has worked since its
+/// start when its numbers grew.
+fn written(files: &checker::Files, v: Victim) -> Option<(u64, u64)> {
+    let open = |path: &Path| {
+        let conn =
+            rusqlite::Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).ok()?;
+        conn.busy_timeout(Duration::from_secs(5)).ok()?;
+        Some(conn)
+    };
+    let one = |conn: &rusqlite::Connection, sql: &str| conn.query_row(sql, [], |r| r.get::<_, i64>(0)).ok();
+    match v {
+        Victim::Producer => {
+            let p = open(&files.producer_db)?;
+            Some((one(&p, "SELECT coalesce(max(rowid), 0) FROM outbox")? as u64, 0))
+        }
+        _ => {
+            let c = open(&files.consumer_db)?;
+            let rows = one(&c, "SELECT coalesce(max(rowid), 0) FROM inbox")?;
+            let effects = one(&c, "SELECT count(*) FROM effect")?;
+            Some((rows as u64, effects as u64))
+        }
+    }
+}
+
+/// Runs the kill schedule until it is exhausted (or the duration, the budget or a hang
+/// ends it). Returns every kill made.
+fn supervise(
+    cfg: &ChaosConfig,
+    cluster: &mut Cluster,
+    progress: &Progress,
+    started: Instant,
+) -> Vec<KillRecord> {
+    let mut kills = Vec::new();
+    let files = cluster.files.clone();
+    let mut marks: BTreeMap<Victim, (u64, u64)> = BTreeMap::new();
+    for v in [Victim::Producer, Victim::Consumer] {
+        marks.insert(v, written(&files, v).unwrap_or_default());
+    }
+    let out_of_time = |progress: &Progress| {
+        progress.failed()
+            || started.elapsed() > cfg.budget
+            || cfg.duration.is_some_and(|d| started.elapsed() > d)
+    };
+    let mut step_no = 0usize;
+    'blocks: for block in 0.. {
+        if cfg.blocks.is_some_and(|b| block >= b) {
+            break;
+        }
+        for step in schedule::block(cfg.seed, block, &cfg.quota) {
+            step_no += 1;
+            if !wait_threshold(cfg, &step, progress, &out_of_time) {
+                break 'blocks;
+            }
+            // Only a process that has done work since its start is worth killing; all of the
+            // step's victims must have, before any of them dies (a dead consumer stops the
+            // relays' progress).
+            for &victim in &step.victims {
+                let worked = poll(cfg.hang, || {
+                    let busy = match victim {
+                        Victim::RelayA | Victim::RelayB => cluster.relay_deliveries(victim) > 0,
+                        Victim::Producer => {
+                            written(&files, victim).is_some_and(|now| now.0 > marks[&victim].0)
+                        }
+                        Victim::Consumer => written(&files, victim).is_some_and(|now| {
+                            let then = marks[&victim];
+                            now.0 > then.0 || now.1 > then.1
+                        }),
+                    };
+                    (busy || progress.failed()).then_some(())
+                });
+                if worked.is_none() || progress.failed() {
+                    progress.fail(format!(
+                        "{} made no progress within {:?} of its start",
+                        victim.name(),
+                        cfg.hang
+                    ));
+                    break 'blocks;
+                }
+                if !cluster.is_running(victim) {
+                    progress.fail(format!("{} exited on its own before its kill", victim.name()));
+                    break 'blocks;
+                }
+            }
+            for &victim in &step.victims {
+                let pid = cluster.pid(victim).unwrap_or(0);
+                cluster.kill(victim);
+                kills.push(KillRecord {
+                    step: step_no,
+                    victim,
+                    pid,
+                    threshold: step.at_committed,
+                    at_committed: progress.committed.load(Ordering::SeqCst),
+                    at_ms: started.elapsed().as_millis() as u64,
+                });
+            }
+            for &victim in &step.victims {
+                if let Err(e) = cluster.restart(victim) {
+                    progress.fail(format!("restart of {}: {e}", victim.name()));
+                    break 'blocks;
+                }
+                if matches!(victim, Victim::Producer | Victim::Consumer) {
+                    marks.insert(victim, written(&files, victim).unwrap_or_default());
+                }
+            }
+            if step_no % 20 == 0 {
+                eprintln!(
+                    "chaos: {:>4.0}s step {step_no}: {} kills, committed {}, applied {}",
+                    started.elapsed().as_secs_f64(),
+                    kills.len(),
+                    progress.committed.load(Ordering::SeqCst),
+                    progress.applied.load(Ordering::SeqCst)
+                );
+            }
+        }
+    }
+    kills
+}
+
+/// Waits until the committed count reaches the step's threshold. False when time ran out or
+/// the count stopped moving for `cfg.hang` (a hang, recorded as fatal).
+fn wait_threshold(
+    cfg: &ChaosConfig,
+    step: &KillStep,
+    progress: &Progress,
+    out_of_time: &dyn Fn(&Progress) -> bool,
+) -> bool {
+    let mut last = (progress.committed.load(Ordering::SeqCst), Instant::now());
+    let reached = poll(cfg.budget, || {
+        let now = progress.committed.load(Ordering::SeqCst);
+        if now >= step.at_committed {
+            return Some(true);
+        }
+        if out_of_time(progress) {
+            return Some(false);
+        }
+        if now != last.0 {
+            last = (now, Instant::now());
+        } else if last.1.elapsed() > cfg.hang {
+            progress.fail(format!("the committed count stayed at {now} for {:?}", cfg.hang));
+            return Some(false);
+        }
+        None
+    });
+    reached == Some(true)
+}
+
+/// FNV-1a over the kills' steps, thresholds and victims: stable across runs and builds.
+fn fingerprint(kills: &[KillRecord]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for k in kills {
+        for b in format!("{}:{}:{};", k.step, k.threshold, k.victim.name()).bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    format!("{h:016x}")
+}
+
+/// Counts the answers in every relay stdout file; a line cut by a SIGKILL mid-write counts
+/// as truncated.
+fn relay_answers(outputs: &[PathBuf]) -> (BTreeMap<String, u64>, u64) {
+    let mut answers = BTreeMap::new();
+    let mut truncated = 0;
+    for path in outputs {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        for line in text.lines() {
+            match serde_json::from_str::<serde_json::Value>(line) {
+                Ok(v) if v["type"] == "delivery" => {
+                    let word = v["outcome"].as_str().unwrap_or("?").to_owned();
+                    *answers.entry(word).or_insert(0) += 1;
+                }
+                Ok(_) => {}
+                Err(_) => truncated += 1,
+            }
+        }
+    }
+    (answers, truncated)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn report(
+    cfg: &ChaosConfig,
+    progress: &Progress,
+    cluster: Option<&Cluster>,
+    kills: Vec<KillRecord>,
+    started: Instant,
+    load_seconds: f64,
+    drain_seconds: Option<f64>,
+    verdict: Verdict,
+    observed: Observed,
+) -> ChaosReport {
+    let mut per_kind: BTreeMap<&'static str, u64> = [("producer", 0), ("consumer", 0), ("relay", 0)].into();
+    let mut steps: BTreeMap<usize, u64> = BTreeMap::new();
+    for k in &kills {
+        *per_kind.entry(k.victim.kind()).or_insert(0) += 1;
+        *steps.entry(k.step).or_insert(0) += 1;
+    }
+    let (relay_answers, relay_truncated_lines) =
+        cluster.map(|c| relay_answers(&c.relay_outputs)).unwrap_or_default();
+    let injected_duplicates = progress.injected_duplicates.load(Ordering::SeqCst);
+    let duplicates = relay_answers.get("DUPLICATE").copied().unwrap_or(0) + injected_duplicates;
+    let mut r = ChaosReport {
+        profile: cfg.profile,
+        seed: cfg.seed,
+        seconds: started.elapsed().as_secs_f64(),
+        load_seconds,
+        drain_seconds,
+        kills_total: kills.len() as u64,
+        kills_per_kind: per_kind,
+        double_kill_steps: steps.values().filter(|n| **n > 1).count() as u64,
+        committed_events: verdict.committed_events,
+        flows: verdict.committed_flows,
+        max_in_progress: progress.max_in_progress.load(Ordering::SeqCst),
+        unknown_calls: progress.unknown.load(Ordering::SeqCst),
+        advance_calls: 0,
+        relay_answers,
+        relay_truncated_lines,
+        injected: progress.injected.load(Ordering::SeqCst),
+        injected_duplicates,
+        forged: progress.forged.load(Ordering::SeqCst),
+        duplicates,
+        observed,
+        consumer_moves: cluster.map_or(0, |c| c.consumer_moves),
+        schedule_fingerprint: fingerprint(&kills),
+        verdict,
+        unmet_floors: Vec::new(),
+        fatal: progress.fatal.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+        kills,
+    };
+    let f = &cfg.floors;
+    let mut unmet = Vec::new();
+    let mut need = |what: &str, got: u64, floor: u64| {
+        if got < floor {
+            unmet.push(format!("{what}: {got} < {floor}"));
+        }
+    };
+    need("kills", r.kills_total, f.kills_total);
+    for kind in ["producer", "consumer", "relay"] {
+        need(&format!("{kind} kills"), r.kills_per_kind[kind], f.kills_per_kind);
+    }
+    need("committed events", r.committed_events, f.committed_events);
+    need("flows", r.flows, f.flows);
+    need("flows in progress at once", r.max_in_progress, f.in_progress);
+    need("duplicate deliveries", r.duplicates, f.duplicates);
+    need("out-of-order arrivals", r.observed.out_of_order_arrivals, f.out_of_order);
+    r.unmet_floors = unmet;
+    r
+}

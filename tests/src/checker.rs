@@ -1,0 +1,706 @@
+//! The independent checker of a chaos run (issue 9). After the faults stop and the system
+//! drains, it reads producer.db and consumer.db with its own SQL (no service store, no
+//! protocol module) and the clients' recorded answers, and reports every breach of:
+//!
+//! - I1 every committed event (outbox row, or an Advance answered COMMITTED/EXISTING) is in
+//!   the outbox with the acknowledged body, and applied (an effect and an `applied` inbox row);
+//! - I2 no (flow, seq) and no event id has two effects;
+//! - I3 each flow's effects, in apply (rowid) order, are exactly seqs 1..n with the legal
+//!   kinds, and the projection stands at the last of them;
+//! - I4 nothing the producer refused (STALE, INVALID_TRANSITION, CONFLICT) is stored or applied;
+//! - I5 no conflicting body was stored or applied: every inbox row's body is byte-identical to
+//!   the outbox body of its event id, effects match it, and no forged delivery got in;
+//! - I6 pending work drains to zero (no unaccepted outbox row, no unapplied inbox row) within
+//!   a deadline;
+//! - I7 `PRAGMA integrity_check` is `ok` on both files.
+//!
+//! Besides these, `Answers` flags an Advance answer the spec does not allow for its request.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use rusqlite::{Connection, OpenFlags};
+use serde::{Deserialize, Serialize};
+
+use crate::canon;
+
+/// One property the checker judges.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub enum Invariant {
+    /// Every Advance answer is one the spec allows for that request.
+    Answers,
+    I1CommittedApplied,
+    I2OneEffect,
+    I3Contiguous,
+    I4RefusedNotApplied,
+    I5NoConflictingBody,
+    I6Drained,
+    I7Integrity,
+}
+
+impl Invariant {
+    /// The short name used in reports (`I1` … `I7`, `answers`).
+    pub fn code(self) -> &'static str {
+        match self {
+            Invariant::Answers => "answers",
+            Invariant::I1CommittedApplied => "I1",
+            Invariant::I2OneEffect => "I2",
+            Invariant::I3Contiguous => "I3",
+            Invariant::I4RefusedNotApplied => "I4",
+            Invariant::I5NoConflictingBody => "I5",
+            Invariant::I6Drained => "I6",
+            Invariant::I7Integrity => "I7",
+        }
+    }
+
+    /// What the invariant says, in words.
+    pub fn meaning(self) -> &'static str {
+        match self {
+            Invariant::Answers => "every Advance answer is allowed for its request",
+            Invariant::I1CommittedApplied => "every committed event is applied",
+            Invariant::I2OneEffect => "no (flow, seq) or event id has two effects",
+            Invariant::I3Contiguous => "each flow's effects are exactly seqs 1..n in order",
+            Invariant::I4RefusedNotApplied => "nothing the producer refused is applied",
+            Invariant::I5NoConflictingBody => "no conflicting body was applied",
+            Invariant::I6Drained => "pending drains to zero within the deadline",
+            Invariant::I7Integrity => "PRAGMA integrity_check is ok on both files",
+        }
+    }
+
+    /// Every invariant, in report order.
+    pub const ALL: [Invariant; 8] = [
+        Invariant::Answers,
+        Invariant::I1CommittedApplied,
+        Invariant::I2OneEffect,
+        Invariant::I3Contiguous,
+        Invariant::I4RefusedNotApplied,
+        Invariant::I5NoConflictingBody,
+        Invariant::I6Drained,
+        Invariant::I7Integrity,
+    ];
+}
+
+/// Why a client sent an Advance: the real next step of its flow, or a request the producer
+/// must refuse (or, for `Existing`, answer without writing).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Intent {
+    /// The flow's legal next step.
+    Step,
+    /// A fresh event id with a wrong `expected_seq`: must be STALE.
+    Stale,
+    /// A fresh event id with an illegal kind or a changed amount: must be INVALID_TRANSITION.
+    Invalid,
+    /// A committed event id with a different body: must be CONFLICT.
+    Conflict,
+    /// An exact retry of a committed step: must be EXISTING.
+    Existing,
+}
+
+/// What one Advance call got back.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Answer {
+    Committed {
+        body: String,
+    },
+    Existing {
+        body: String,
+    },
+    Conflict {
+        body: String,
+    },
+    Stale,
+    InvalidTransition,
+    /// The call failed ambiguously (transport error, server gone): it may or may not have
+    /// committed. The client retries it with the same event id.
+    Unknown {
+        error: String,
+    },
+    /// Anything else (INVALID_ARGUMENT, an unspecified outcome): never allowed here.
+    Other {
+        what: String,
+    },
+}
+
+/// One Advance call and its answer, as a client recorded it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AdvanceRecord {
+    pub flow_id: String,
+    pub event_id: String,
+    pub expected_seq: u64,
+    pub kind: String,
+    pub schema: u32,
+    pub amount: i64,
+    pub intent: Intent,
+    pub answer: Answer,
+}
+
+impl AdvanceRecord {
+    /// The canonical body this request would commit (seq = expected_seq + 1).
+    pub fn requested_body(&self) -> String {
+        canon::Body {
+            event_id: self.event_id.clone(),
+            flow_id: self.flow_id.clone(),
+            seq: self.expected_seq + 1,
+            kind: self.kind.clone(),
+            schema: self.schema,
+            payload: canon::amount_payload(self.schema, self.amount),
+        }
+        .canonical()
+    }
+}
+
+/// A delivery the chaos driver forged and sent to the consumer directly: a committed event
+/// id with a different body (must be ID_CONFLICT) or a new event id at a held (flow, seq)
+/// (must be SEQUENCE_CONFLICT). Neither may ever be stored.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForgedRecord {
+    pub event_id: String,
+    pub flow_id: String,
+    pub seq: u64,
+    /// The canonical body of what was sent.
+    pub body: String,
+    /// The consumer's answer (short word, e.g. `ID_CONFLICT`), or the transport error.
+    pub answer: String,
+}
+
+/// Everything the clients saw.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct History {
+    pub advances: Vec<AdvanceRecord>,
+    pub forged: Vec<ForgedRecord>,
+}
+
+/// The two database files.
+#[derive(Clone, Debug)]
+pub struct Files {
+    pub producer_db: PathBuf,
+    pub consumer_db: PathBuf,
+}
+
+/// One breach.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Violation {
+    pub invariant: Invariant,
+    pub detail: String,
+}
+
+/// The checker's judgement and what it read.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Verdict {
+    pub violations: Vec<Violation>,
+    /// Outbox rows (committed events) and distinct flows with at least one.
+    pub committed_events: u64,
+    pub committed_flows: u64,
+    pub effects: u64,
+}
+
+impl Verdict {
+    /// True when no invariant was breached.
+    pub fn ok(&self) -> bool {
+        self.violations.is_empty()
+    }
+
+    /// The invariants breached, each once.
+    pub fn breached(&self) -> BTreeSet<Invariant> {
+        self.violations.iter().map(|v| v.invariant).collect()
+    }
+
+    /// One line per invariant (`I1 ok` or `I1 VIOLATED (n): first detail`).
+    pub fn summary_lines(&self) -> Vec<String> {
+        Invariant::ALL
+            .iter()
+            .map(|inv| {
+                let hits: Vec<&Violation> = self.violations.iter().filter(|v| v.invariant == *inv).collect();
+                match hits.first() {
+                    None => format!("{} ok: {}", inv.code(), inv.meaning()),
+                    Some(first) => format!(
+                        "{} VIOLATED ({}x): {}; first: {}",
+                        inv.code(),
+                        hits.len(),
+                        inv.meaning(),
+                        first.detail
+                    ),
+                }
+            })
+            .collect()
+    }
+}
+
+/// How the wait for pending work ended (I6).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Drain {
+    /// Nothing was pending after this long.
+    Drained(Duration),
+    /// Still pending at the deadline: unaccepted outbox rows, unapplied inbox rows.
+    TimedOut { unaccepted: u64, unapplied: u64 },
+}
+
+/// Counts of pending work: (unaccepted outbox rows, unapplied inbox rows).
+pub fn pending(files: &Files) -> Result<(u64, u64), String> {
+    let p = open_ro(&files.producer_db)?;
+    let c = open_ro(&files.consumer_db)?;
+    let unaccepted = count(&p, "SELECT count(*) FROM outbox WHERE accepted = 0")?;
+    let unapplied = count(&c, "SELECT count(*) FROM inbox WHERE state <> 'applied'")?;
+    Ok((unaccepted, unapplied))
+}
+
+/// Polls [`pending`] until both counts are zero or `deadline` passes (I6).
+pub fn wait_drained(files: &Files, deadline: Duration) -> Drain {
+    let start = Instant::now();
+    let mut last = (u64::MAX, u64::MAX);
+    let drained = crate::background::poll(deadline, || match pending(files) {
+        Ok((0, 0)) => Some(()),
+        Ok(counts) => {
+            last = counts;
+            None
+        }
+        Err(_) => None,
+    });
+    match drained {
+        Some(()) => Drain::Drained(start.elapsed()),
+        None => Drain::TimedOut { unaccepted: last.0, unapplied: last.1 },
+    }
+}
+
+/// What the files hold, read with the checker's own SQL.
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    pub outbox: Vec<OutboxRow>,
+    pub inbox: Vec<InboxRow>,
+    pub effects: Vec<EffectRow>,
+    pub projections: Vec<ProjectionRow>,
+}
+
+/// An outbox row.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OutboxRow {
+    pub event_id: String,
+    pub flow_id: String,
+    pub seq: u64,
+    pub kind: String,
+    pub body: String,
+    pub accepted: bool,
+    pub attempts: u64,
+}
+
+/// An inbox row with its arrival order (rowid).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InboxRow {
+    pub rowid: i64,
+    pub event_id: String,
+    pub flow_id: String,
+    pub seq: u64,
+    pub state: String,
+    pub body: String,
+}
+
+/// An effect row with its apply order (rowid).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EffectRow {
+    pub rowid: i64,
+    pub event_id: String,
+    pub flow_id: String,
+    pub seq: u64,
+    pub kind: String,
+    pub held: i64,
+}
+
+/// A projection row.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProjectionRow {
+    pub flow_id: String,
+    pub last_seq: u64,
+    pub state: String,
+    pub held: i64,
+}
+
+fn open_ro(path: &Path) -> Result<Connection, String> {
+    let conn = Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_ONLY)
+        .map_err(|e| format!("open {}: {e}", path.display()))?;
+    conn.busy_timeout(Duration::from_secs(10)).map_err(|e| format!("busy timeout: {e}"))?;
+    Ok(conn)
+}
+
+fn count(conn: &Connection, sql: &str) -> Result<u64, String> {
+    conn.query_row(sql, [], |r| r.get::<_, i64>(0)).map(|n| n as u64).map_err(|e| format!("{sql}: {e}"))
+}
+
+fn rows<T>(
+    conn: &Connection,
+    sql: &str,
+    map: impl FnMut(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
+) -> Result<Vec<T>, String> {
+    let mut stmt = conn.prepare(sql).map_err(|e| format!("{sql}: {e}"))?;
+    let out = stmt.query_map([], map).map_err(|e| format!("{sql}: {e}"))?;
+    out.collect::<rusqlite::Result<Vec<T>>>().map_err(|e| format!("{sql}: {e}"))
+}
+
+impl Snapshot {
+    /// Reads both files (each in one read transaction).
+    pub fn read(files: &Files) -> Result<Snapshot, String> {
+        let mut p = open_ro(&files.producer_db)?;
+        let p = p.transaction().map_err(|e| format!("producer.db: {e}"))?;
+        let outbox = rows(
+            &p,
+            "SELECT event_id, flow_id, seq, kind, body, accepted, attempts FROM outbox ORDER BY rowid",
+            |r| {
+                Ok(OutboxRow {
+                    event_id: r.get(0)?,
+                    flow_id: r.get(1)?,
+                    seq: r.get::<_, i64>(2)? as u64,
+                    kind: r.get(3)?,
+                    body: r.get(4)?,
+                    accepted: r.get::<_, i64>(5)? != 0,
+                    attempts: r.get::<_, i64>(6)? as u64,
+                })
+            },
+        )?;
+        let mut c = open_ro(&files.consumer_db)?;
+        let c = c.transaction().map_err(|e| format!("consumer.db: {e}"))?;
+        let inbox =
+            rows(&c, "SELECT rowid, event_id, flow_id, seq, state, body FROM inbox ORDER BY rowid", |r| {
+                Ok(InboxRow {
+                    rowid: r.get(0)?,
+                    event_id: r.get(1)?,
+                    flow_id: r.get(2)?,
+                    seq: r.get::<_, i64>(3)? as u64,
+                    state: r.get(4)?,
+                    body: r.get(5)?,
+                })
+            })?;
+        let effects =
+            rows(&c, "SELECT rowid, event_id, flow_id, seq, kind, held FROM effect ORDER BY rowid", |r| {
+                Ok(EffectRow {
+                    rowid: r.get(0)?,
+                    event_id: r.get(1)?,
+                    flow_id: r.get(2)?,
+                    seq: r.get::<_, i64>(3)? as u64,
+                    kind: r.get(4)?,
+                    held: r.get(5)?,
+                })
+            })?;
+        let projections =
+            rows(&c, "SELECT flow_id, last_seq, state, held FROM projection ORDER BY flow_id", |r| {
+                Ok(ProjectionRow {
+                    flow_id: r.get(0)?,
+                    last_seq: r.get::<_, i64>(1)? as u64,
+                    state: r.get(2)?,
+                    held: r.get(3)?,
+                })
+            })?;
+        Ok(Snapshot { outbox, inbox, effects, projections })
+    }
+}
+
+/// `PRAGMA integrity_check` on one file: `Ok` when it answers exactly `ok`.
+pub fn integrity(path: &Path) -> Result<(), String> {
+    let conn = open_ro(path)?;
+    let lines = rows(&conn, "PRAGMA integrity_check", |r| r.get::<_, String>(0))?;
+    if lines == ["ok"] { Ok(()) } else { Err(lines.join("; ")) }
+}
+
+/// The kinds of a flow's seqs 1, 2, 3.
+const KINDS: [&str; 3] = ["reserved", "confirmed", "released"];
+
+/// Judges the files and the history. `drain` is how the wait for pending work ended (see
+/// [`wait_drained`]); the final snapshot is judged for pending rows too.
+pub fn check(files: &Files, history: &History, drain: &Drain) -> Verdict {
+    let mut v = Verdict::default();
+    let mut flag = |invariant: Invariant, detail: String| v.violations.push(Violation { invariant, detail });
+
+    for (name, path) in [("producer.db", &files.producer_db), ("consumer.db", &files.consumer_db)] {
+        if let Err(e) = integrity(path) {
+            flag(Invariant::I7Integrity, format!("{name}: {e}"));
+        }
+    }
+    if let Drain::TimedOut { unaccepted, unapplied } = drain {
+        flag(
+            Invariant::I6Drained,
+            format!(
+                "still pending at the deadline: {unaccepted} unaccepted outbox rows, {unapplied} unapplied inbox rows"
+            ),
+        );
+    }
+    let snap = match Snapshot::read(files) {
+        Ok(s) => s,
+        Err(e) => {
+            flag(Invariant::I7Integrity, format!("the files cannot be read: {e}"));
+            return v;
+        }
+    };
+    check_answers(history, &mut flag);
+    check_snapshot(&snap, history, &mut flag);
+    v.committed_events = snap.outbox.len() as u64;
+    v.committed_flows = snap.outbox.iter().map(|r| &r.flow_id).collect::<BTreeSet<_>>().len() as u64;
+    v.effects = snap.effects.len() as u64;
+    v
+}
+
+fn check_answers(history: &History, flag: &mut impl FnMut(Invariant, String)) {
+    for r in &history.advances {
+        let requested = r.requested_body();
+        let ok = match (&r.intent, &r.answer) {
+            (_, Answer::Unknown { .. }) => true,
+            (Intent::Step, Answer::Committed { body } | Answer::Existing { body }) => *body == requested,
+            (Intent::Existing, Answer::Existing { body }) => *body == requested,
+            (Intent::Conflict, Answer::Conflict { body }) => *body != requested,
+            (Intent::Stale, Answer::Stale) | (Intent::Invalid, Answer::InvalidTransition) => true,
+            _ => false,
+        };
+        if !ok {
+            flag(
+                Invariant::Answers,
+                format!(
+                    "{} ({:?}, expected_seq {}) was answered {:?}",
+                    r.event_id, r.intent, r.expected_seq, r.answer
+                ),
+            );
+        }
+    }
+    for f in &history.forged {
+        if f.answer == "ACCEPTED" || f.answer == "DUPLICATE" {
+            flag(
+                Invariant::I5NoConflictingBody,
+                format!(
+                    "forged delivery {} (flow {}, seq {}) was answered {}",
+                    f.event_id, f.flow_id, f.seq, f.answer
+                ),
+            );
+        }
+    }
+}
+
+fn check_snapshot(snap: &Snapshot, history: &History, flag: &mut impl FnMut(Invariant, String)) {
+    let outbox: HashMap<&str, &OutboxRow> = snap.outbox.iter().map(|r| (r.event_id.as_str(), r)).collect();
+    let inbox: HashMap<&str, &InboxRow> = snap.inbox.iter().map(|r| (r.event_id.as_str(), r)).collect();
+    let mut effects_by_id: HashMap<&str, Vec<&EffectRow>> = HashMap::new();
+    let mut effects_by_seq: BTreeMap<(&str, u64), Vec<&EffectRow>> = BTreeMap::new();
+    let mut effects_by_flow: BTreeMap<&str, Vec<&EffectRow>> = BTreeMap::new();
+    for e in &snap.effects {
+        effects_by_id.entry(&e.event_id).or_default().push(e);
+        effects_by_seq.entry((&e.flow_id, e.seq)).or_default().push(e);
+        effects_by_flow.entry(&e.flow_id).or_default().push(e);
+    }
+
+    // I1: committed = outbox rows plus everything a client was told is committed.
+    let mut acknowledged: BTreeMap<&str, &str> = BTreeMap::new();
+    for r in &history.advances {
+        if let (Intent::Step, Answer::Committed { body } | Answer::Existing { body }) = (&r.intent, &r.answer)
+        {
+            acknowledged.insert(&r.event_id, body);
+        }
+    }
+    for (id, body) in &acknowledged {
+        match outbox.get(id) {
+            None => flag(
+                Invariant::I1CommittedApplied,
+                format!("{id} was acknowledged committed but is not in the outbox"),
+            ),
+            Some(row) if row.body != *body => flag(
+                Invariant::I1CommittedApplied,
+                format!("{id} was acknowledged with body {body} but the outbox holds {}", row.body),
+            ),
+            Some(_) => {}
+        }
+    }
+    for row in &snap.outbox {
+        let applied_row = inbox.get(row.event_id.as_str()).is_some_and(|i| i.state == "applied");
+        let has_effect = effects_by_id.contains_key(row.event_id.as_str());
+        if !applied_row || !has_effect {
+            let state = inbox.get(row.event_id.as_str()).map_or("absent", |i| i.state.as_str());
+            flag(
+                Invariant::I1CommittedApplied,
+                format!(
+                    "committed {} (flow {}, seq {}) is not applied: inbox {state}, effect {}",
+                    row.event_id,
+                    row.flow_id,
+                    row.seq,
+                    if has_effect { "present" } else { "absent" }
+                ),
+            );
+        }
+    }
+
+    // I2: one effect per (flow, seq) and per event id.
+    for ((flow, seq), list) in &effects_by_seq {
+        if list.len() > 1 {
+            let ids: Vec<&str> = list.iter().map(|e| e.event_id.as_str()).collect();
+            flag(
+                Invariant::I2OneEffect,
+                format!("flow {flow} seq {seq} has {} effects: {ids:?}", list.len()),
+            );
+        }
+    }
+    for (id, list) in &effects_by_id {
+        if list.len() > 1 {
+            flag(Invariant::I2OneEffect, format!("event {id} has {} effects", list.len()));
+        }
+    }
+
+    // I3: per flow, effects in apply order are 1..n with the legal kinds; projection at n.
+    let projections: HashMap<&str, &ProjectionRow> =
+        snap.projections.iter().map(|p| (p.flow_id.as_str(), p)).collect();
+    for (flow, list) in &effects_by_flow {
+        let seqs: Vec<u64> = list.iter().map(|e| e.seq).collect();
+        let expected: Vec<u64> = (1..=list.len() as u64).collect();
+        if seqs != expected {
+            flag(Invariant::I3Contiguous, format!("flow {flow}: effects in apply order have seqs {seqs:?}"));
+            continue;
+        }
+        for e in list {
+            let legal = KINDS.get(e.seq as usize - 1).copied();
+            if legal != Some(e.kind.as_str()) {
+                flag(Invariant::I3Contiguous, format!("flow {flow}: seq {} applied as {:?}", e.seq, e.kind));
+            }
+        }
+        let last = list[list.len() - 1];
+        match projections.get(flow) {
+            Some(p) if p.last_seq == last.seq && p.state == last.kind && p.held == last.held => {}
+            other => flag(
+                Invariant::I3Contiguous,
+                format!(
+                    "flow {flow}: last effect is seq {} {} held {}, projection {other:?}",
+                    last.seq, last.kind, last.held
+                ),
+            ),
+        }
+    }
+    for p in &snap.projections {
+        if !effects_by_flow.contains_key(p.flow_id.as_str()) {
+            flag(Invariant::I3Contiguous, format!("flow {}: projection {p:?} but no effects", p.flow_id));
+        }
+    }
+
+    // I4: refused requests never stored or applied. A fresh id answered STALE or
+    // INVALID_TRANSITION (and never committed) must be nowhere; a CONFLICT request's body
+    // must never be the stored one.
+    let mut refused_ids: BTreeSet<&str> = BTreeSet::new();
+    for r in &history.advances {
+        if matches!(r.answer, Answer::Stale | Answer::InvalidTransition)
+            && !acknowledged.contains_key(r.event_id.as_str())
+        {
+            refused_ids.insert(&r.event_id);
+        }
+    }
+    for id in &refused_ids {
+        let places: Vec<&str> = [
+            ("outbox", outbox.contains_key(id)),
+            ("inbox", inbox.contains_key(id)),
+            ("effect", effects_by_id.contains_key(id)),
+        ]
+        .into_iter()
+        .filter_map(|(name, hit)| hit.then_some(name))
+        .collect();
+        if !places.is_empty() {
+            flag(Invariant::I4RefusedNotApplied, format!("refused {id} is in {places:?}"));
+        }
+    }
+    for r in &history.advances {
+        if matches!(r.answer, Answer::Conflict { .. }) {
+            let refused = r.requested_body();
+            let stored = [
+                outbox.get(r.event_id.as_str()).map(|o| &o.body),
+                inbox.get(r.event_id.as_str()).map(|i| &i.body),
+            ];
+            if stored.iter().flatten().any(|b| **b == refused) {
+                flag(
+                    Invariant::I4RefusedNotApplied,
+                    format!("the refused conflicting body of {} is stored", r.event_id),
+                );
+            }
+        }
+    }
+
+    // I5: what the consumer stored and applied is exactly what the producer committed.
+    for i in &snap.inbox {
+        match outbox.get(i.event_id.as_str()) {
+            Some(o) if o.body == i.body => {}
+            Some(o) => flag(
+                Invariant::I5NoConflictingBody,
+                format!(
+                    "{} ({}): inbox body {} differs from the outbox body {}",
+                    i.event_id, i.state, i.body, o.body
+                ),
+            ),
+            None if refused_ids.contains(i.event_id.as_str()) => {}
+            None => flag(
+                Invariant::I5NoConflictingBody,
+                format!("{} ({}) is in the inbox but the producer never committed it", i.event_id, i.state),
+            ),
+        }
+    }
+    for e in &snap.effects {
+        if let Some(o) = outbox.get(e.event_id.as_str()) {
+            if (o.flow_id.as_str(), o.seq, o.kind.as_str()) != (e.flow_id.as_str(), e.seq, e.kind.as_str()) {
+                flag(
+                    Invariant::I5NoConflictingBody,
+                    format!(
+                        "effect {} is flow {} seq {} {} but the outbox says flow {} seq {} {}",
+                        e.event_id, e.flow_id, e.seq, e.kind, o.flow_id, o.seq, o.kind
+                    ),
+                );
+            }
+        } else if !refused_ids.contains(e.event_id.as_str()) {
+            flag(Invariant::I5NoConflictingBody, format!("effect {} has no committed event", e.event_id));
+        }
+    }
+    for f in &history.forged {
+        if inbox.get(f.event_id.as_str()).is_some_and(|i| i.body == f.body) {
+            flag(
+                Invariant::I5NoConflictingBody,
+                format!("forged delivery {} is stored in the inbox", f.event_id),
+            );
+        }
+    }
+
+    // I6 on the final files as well: nothing left pending.
+    let unaccepted = snap.outbox.iter().filter(|o| !o.accepted).count();
+    let unapplied = snap.inbox.iter().filter(|i| i.state != "applied").count();
+    if unaccepted + unapplied > 0 {
+        flag(
+            Invariant::I6Drained,
+            format!("final files: {unaccepted} unaccepted outbox rows, {unapplied} unapplied inbox rows"),
+        );
+    }
+}
+
+/// What the run exercised, read from the files: redeliveries and out-of-order arrivals.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Observed {
+    /// Outbox rows sent more than once, and the sends beyond the first over all rows.
+    pub rows_resent: u64,
+    pub extra_sends: u64,
+    /// Inbox rows that arrived after a larger seq of their flow had arrived (rowid order).
+    pub out_of_order_arrivals: u64,
+    /// Flows with at least one such arrival.
+    pub out_of_order_flows: u64,
+}
+
+/// Counts redeliveries (outbox `attempts` > 1) and out-of-order arrivals (inbox rowid order
+/// against seq order).
+pub fn observe(snap: &Snapshot) -> Observed {
+    let mut o = Observed::default();
+    for row in &snap.outbox {
+        if row.attempts > 1 {
+            o.rows_resent += 1;
+            o.extra_sends += row.attempts - 1;
+        }
+    }
+    let mut max_seen: HashMap<&str, u64> = HashMap::new();
+    let mut flows: BTreeSet<&str> = BTreeSet::new();
+    for row in &snap.inbox {
+        let seen = max_seen.entry(&row.flow_id).or_insert(0);
+        if row.seq < *seen {
+            o.out_of_order_arrivals += 1;
+            flows.insert(&row.flow_id);
+        }
+        *seen = (*seen).max(row.seq);
+    }
+    o.out_of_order_flows = flows.len() as u64;
+    o
+}
+
+#[cfg(test)]
+#[path = "checker_tests.rs"]
+mod tests;

@@ -1,0 +1,294 @@
+//! The checker's own tests: small producer.db/consumer.db files built by hand with SQL (no
+//! service involved), one clean history the checker must pass, and one synthetic history per
+//! invariant (I1–I7) that it must flag.
+
+use std::time::Duration;
+
+use rusqlite::Connection;
+
+use super::*;
+
+/// A hand-built pair of files: flow A committed and applied in full (3 steps), flow B up to
+/// seq 2; the history has every step's COMMITTED answer plus a STALE and a CONFLICT refusal.
+struct Fixture {
+    _dir: tempfile::TempDir,
+    files: Files,
+    history: History,
+}
+
+fn body(event_id: &str, flow: &str, seq: u64, amount: i64) -> String {
+    canon::Body {
+        event_id: event_id.into(),
+        flow_id: flow.into(),
+        seq,
+        kind: KINDS[seq as usize - 1].into(),
+        schema: 1,
+        payload: canon::amount_payload(1, amount),
+    }
+    .canonical()
+}
+
+fn step(flow: &str, seq: u64) -> AdvanceRecord {
+    let event_id = format!("{flow}{seq}");
+    AdvanceRecord {
+        answer: Answer::Committed { body: body(&event_id, flow, seq, 3) },
+        flow_id: flow.into(),
+        event_id,
+        expected_seq: seq - 1,
+        kind: KINDS[seq as usize - 1].into(),
+        schema: 1,
+        amount: 3,
+        intent: Intent::Step,
+    }
+}
+
+impl Fixture {
+    fn new() -> Fixture {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let files = Files { producer_db: dir.path().join("p.db"), consumer_db: dir.path().join("c.db") };
+        let p = Connection::open(&files.producer_db).expect("p.db");
+        p.execute_batch(
+            "PRAGMA journal_mode=WAL;
+             CREATE TABLE outbox(event_id TEXT PRIMARY KEY, flow_id TEXT, seq INTEGER, kind TEXT,
+                 schema INTEGER, body TEXT, accepted INTEGER, attempts INTEGER);",
+        )
+        .expect("producer schema");
+        let c = Connection::open(&files.consumer_db).expect("c.db");
+        c.execute_batch(
+            "PRAGMA journal_mode=WAL;
+             CREATE TABLE inbox(event_id TEXT, flow_id TEXT, seq INTEGER, kind TEXT, schema INTEGER,
+                 body TEXT, state TEXT, reason TEXT, received_at_us INTEGER);
+             CREATE TABLE effect(event_id TEXT, flow_id TEXT, seq INTEGER, kind TEXT, held INTEGER);
+             CREATE TABLE projection(flow_id TEXT PRIMARY KEY, last_seq INTEGER, state TEXT, held INTEGER);",
+        )
+        .expect("consumer schema");
+        let mut history = History::default();
+        for (flow, n) in [("A", 3), ("B", 2)] {
+            for seq in 1..=n {
+                let rec = step(flow, seq);
+                let b = body(&rec.event_id, flow, seq, 3);
+                p.execute(
+                    "INSERT INTO outbox VALUES (?1, ?2, ?3, ?4, 1, ?5, 1, 1)",
+                    rusqlite::params![rec.event_id, flow, seq, rec.kind, b],
+                )
+                .expect("outbox row");
+                c.execute(
+                    "INSERT INTO inbox VALUES (?1, ?2, ?3, ?4, 1, ?5, 'applied', NULL, 0)",
+                    rusqlite::params![rec.event_id, flow, seq, rec.kind, b],
+                )
+                .expect("inbox row");
+                let held = if seq == 3 { 0 } else { 3 };
+                c.execute(
+                    "INSERT INTO effect VALUES (?1, ?2, ?3, ?4, ?5)",
+                    rusqlite::params![rec.event_id, flow, seq, rec.kind, held],
+                )
+                .expect("effect row");
+                history.advances.push(rec);
+            }
+        }
+        c.execute_batch(
+            "INSERT INTO projection VALUES ('A', 3, 'released', 0);
+             INSERT INTO projection VALUES ('B', 2, 'confirmed', 3);",
+        )
+        .expect("projections");
+        // Refusals the producer gave: a stale fresh id, and A1 again with another amount.
+        let mut stale = step("B", 3);
+        stale.event_id = "B-stale".into();
+        stale.expected_seq = 0;
+        stale.intent = Intent::Stale;
+        stale.answer = Answer::Stale;
+        history.advances.push(stale);
+        let mut conflict = step("A", 1);
+        conflict.amount = 9;
+        conflict.intent = Intent::Conflict;
+        conflict.answer = Answer::Conflict { body: body("A1", "A", 1, 3) };
+        history.advances.push(conflict);
+        Fixture { _dir: dir, files, history }
+    }
+
+    fn producer(&self, sql: &str) {
+        Connection::open(&self.files.producer_db).expect("p.db").execute_batch(sql).expect(sql);
+    }
+
+    fn consumer(&self, sql: &str) {
+        Connection::open(&self.files.consumer_db).expect("c.db").execute_batch(sql).expect(sql);
+    }
+
+    fn check(&self) -> Verdict {
+        check(&self.files, &self.history, &wait_drained(&self.files, Duration::ZERO))
+    }
+}
+
+/// Asserts that `verdict` flags `invariant` (and prints every violation when it does not).
+fn assert_flags(verdict: &Verdict, invariant: Invariant) {
+    assert!(
+        verdict.breached().contains(&invariant),
+        "{} not flagged; verdict: {:#?}",
+        invariant.code(),
+        verdict.violations
+    );
+}
+
+#[test]
+fn a_clean_history_passes() {
+    let f = Fixture::new();
+    let v = f.check();
+    assert!(v.ok(), "{:#?}", v.violations);
+    assert_eq!((v.committed_events, v.committed_flows, v.effects), (5, 2, 5));
+}
+
+#[test]
+fn i1_a_committed_event_never_applied() {
+    let f = Fixture::new();
+    // B2 is committed and marked accepted, but the consumer has no trace of it.
+    f.consumer(
+        "DELETE FROM inbox WHERE event_id = 'B2'; DELETE FROM effect WHERE event_id = 'B2';
+         UPDATE projection SET last_seq = 1, state = 'reserved' WHERE flow_id = 'B';",
+    );
+    let v = f.check();
+    assert_flags(&v, Invariant::I1CommittedApplied);
+    assert_eq!(v.breached(), BTreeSet::from([Invariant::I1CommittedApplied]), "{:#?}", v.violations);
+}
+
+#[test]
+fn i1_an_acknowledged_commit_lost() {
+    let mut f = Fixture::new();
+    // A client was told B3 committed, but no file has it.
+    f.history.advances.push(step("B", 3));
+    let v = f.check();
+    assert_flags(&v, Invariant::I1CommittedApplied);
+    assert!(v.violations.iter().any(|x| x.detail.contains("not in the outbox")), "{:#?}", v.violations);
+}
+
+#[test]
+fn i2_two_effects_for_one_seq() {
+    let f = Fixture::new();
+    f.consumer("INSERT INTO effect VALUES ('A3', 'A', 3, 'released', 0);");
+    assert_flags(&f.check(), Invariant::I2OneEffect);
+}
+
+#[test]
+fn i3_effects_out_of_order() {
+    let f = Fixture::new();
+    // B's effects were applied 2 before 1.
+    f.consumer(
+        "DELETE FROM effect WHERE flow_id = 'B';
+         INSERT INTO effect VALUES ('B2', 'B', 2, 'confirmed', 3);
+         INSERT INTO effect VALUES ('B1', 'B', 1, 'reserved', 3);",
+    );
+    let v = f.check();
+    assert_flags(&v, Invariant::I3Contiguous);
+    assert_eq!(v.breached(), BTreeSet::from([Invariant::I3Contiguous]), "{:#?}", v.violations);
+}
+
+#[test]
+fn i3_a_projection_past_its_effects() {
+    let f = Fixture::new();
+    f.consumer("UPDATE projection SET last_seq = 3, state = 'released', held = 0 WHERE flow_id = 'B';");
+    assert_flags(&f.check(), Invariant::I3Contiguous);
+}
+
+#[test]
+fn i4_a_refused_event_applied() {
+    let f = Fixture::new();
+    // The producer answered B-stale STALE, yet the consumer applied it as B's seq 3.
+    let b = body("B-stale", "B", 3, 3);
+    f.consumer(&format!(
+        "INSERT INTO inbox VALUES ('B-stale', 'B', 3, 'released', 1, '{b}', 'applied', NULL, 0);
+         INSERT INTO effect VALUES ('B-stale', 'B', 3, 'released', 0);
+         UPDATE projection SET last_seq = 3, state = 'released', held = 0 WHERE flow_id = 'B';"
+    ));
+    let v = f.check();
+    assert_flags(&v, Invariant::I4RefusedNotApplied);
+    assert_eq!(v.breached(), BTreeSet::from([Invariant::I4RefusedNotApplied]), "{:#?}", v.violations);
+}
+
+#[test]
+fn i4_a_refused_conflicting_body_stored() {
+    let f = Fixture::new();
+    let refused = body("A1", "A", 1, 9);
+    f.consumer(&format!("UPDATE inbox SET body = '{refused}' WHERE event_id = 'A1';"));
+    assert_flags(&f.check(), Invariant::I4RefusedNotApplied);
+}
+
+#[test]
+fn i5_a_conflicting_body_applied() {
+    let f = Fixture::new();
+    // The consumer holds A2 with amount 4 where the producer committed amount 3.
+    let other = body("A2", "A", 2, 4);
+    f.consumer(&format!("UPDATE inbox SET body = '{other}' WHERE event_id = 'A2';"));
+    let v = f.check();
+    assert_flags(&v, Invariant::I5NoConflictingBody);
+    assert_eq!(v.breached(), BTreeSet::from([Invariant::I5NoConflictingBody]), "{:#?}", v.violations);
+}
+
+#[test]
+fn i5_a_forged_delivery_stored() {
+    let mut f = Fixture::new();
+    let forged = body("forged-1", "B", 3, 3);
+    f.history.forged.push(ForgedRecord {
+        event_id: "forged-1".into(),
+        flow_id: "B".into(),
+        seq: 3,
+        body: forged.clone(),
+        answer: "ACCEPTED".into(),
+    });
+    f.consumer(&format!(
+        "INSERT INTO inbox VALUES ('forged-1', 'B', 3, 'released', 1, '{forged}', 'pending', NULL, 0);"
+    ));
+    assert_flags(&f.check(), Invariant::I5NoConflictingBody);
+}
+
+#[test]
+fn i6_pending_work_never_drains() {
+    let f = Fixture::new();
+    f.producer("UPDATE outbox SET accepted = 0 WHERE event_id = 'B2';");
+    let drain = wait_drained(&f.files, Duration::ZERO);
+    assert_eq!(drain, Drain::TimedOut { unaccepted: 1, unapplied: 0 });
+    let v = check(&f.files, &f.history, &drain);
+    assert_flags(&v, Invariant::I6Drained);
+    assert_eq!(v.breached(), BTreeSet::from([Invariant::I6Drained]), "{:#?}", v.violations);
+}
+
+#[test]
+fn i7_an_integrity_failure() {
+    let f = Fixture::new();
+    // An index whose stored entries no longer match its declared order: the schema text is
+    // rewritten behind SQLite's back, so the b-tree and the definition disagree.
+    f.consumer(
+        "CREATE TABLE t(x INTEGER); CREATE INDEX t_x ON t(x); INSERT INTO t VALUES (1), (2), (3);
+         PRAGMA writable_schema = ON;
+         UPDATE sqlite_schema SET sql = 'CREATE INDEX t_x ON t(x DESC)' WHERE name = 't_x';
+         PRAGMA writable_schema = OFF;",
+    );
+    let v = f.check();
+    assert_flags(&v, Invariant::I7Integrity);
+    assert_eq!(v.breached(), BTreeSet::from([Invariant::I7Integrity]), "{:#?}", v.violations);
+}
+
+#[test]
+fn answers_a_decoy_that_committed() {
+    let mut f = Fixture::new();
+    let mut stale = step("A", 1);
+    stale.event_id = "A-decoy".into();
+    stale.intent = Intent::Stale;
+    stale.answer = Answer::Committed { body: stale.requested_body() };
+    f.history.advances.push(stale);
+    assert_flags(&f.check(), Invariant::Answers);
+}
+
+#[test]
+fn observations_count_resends_and_late_arrivals() {
+    let f = Fixture::new();
+    f.producer("UPDATE outbox SET attempts = 3 WHERE event_id = 'A1';");
+    // B2 arrives (rowid order) before B1.
+    f.consumer(
+        "DELETE FROM inbox WHERE event_id = 'B1';
+         INSERT INTO inbox SELECT 'B1', 'B', 1, 'reserved', 1, body, 'applied', NULL, 0 FROM inbox
+             WHERE event_id = 'B2';",
+    );
+    let snap = Snapshot::read(&f.files).expect("read");
+    let o = observe(&snap);
+    assert_eq!((o.rows_resent, o.extra_sends), (1, 2));
+    assert_eq!((o.out_of_order_arrivals, o.out_of_order_flows), (1, 1));
+}
