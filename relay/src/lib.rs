@@ -14,6 +14,9 @@ use proto::crash::CrashSwitch;
 
 pub use pass::{RelayError, run};
 
+/// Default cap of answers recorded per producer.db transaction (`--mark-batch`).
+pub const DEFAULT_MARK_BATCH: usize = 256;
+
 /// What the relay does in this run.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Mode {
@@ -37,6 +40,8 @@ pub struct Config {
     pub mode: Mode,
     /// Envelopes in flight on the Receive stream before waiting for an answer.
     pub window: usize,
+    /// Answers recorded in one producer.db transaction (those already arrived, up to this).
+    pub mark_batch: usize,
     /// `run`: pause between polls when nothing was deliverable.
     pub poll_interval: Duration,
     /// `run`: the cap of the reconnect (and conflicted-flow retry) backoff.

@@ -27,6 +27,17 @@ struct Args {
     /// Envelopes in flight on the stream before waiting for an answer.
     #[arg(long, env = "ORDERED_EVENTS_RELAY_WINDOW", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096), global = true)]
     window: u32,
+    /// The most answers recorded (and rows marked accepted) in one producer.db transaction:
+    /// the answers already arrived are recorded together. 1 records each answer alone.
+    #[arg(
+        long,
+        env = "ORDERED_EVENTS_RELAY_MARK_BATCH",
+        value_name = "N",
+        default_value_t = relay::DEFAULT_MARK_BATCH,
+        value_parser = proto::group::parse_cap,
+        global = true
+    )]
+    mark_batch: usize,
     /// Log format on stderr.
     #[arg(long, env = "ORDERED_EVENTS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
     log_format: LogFormat,
@@ -60,7 +71,7 @@ enum ModeArg {
     },
 }
 
-#[tokio::main]
+#[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let args = Args::parse();
     proto::serve::init_tracing(args.log_format);
@@ -90,6 +101,7 @@ async fn main() -> ExitCode {
         consumer_url,
         mode,
         window: args.window as usize,
+        mark_batch: args.mark_batch,
         poll_interval,
         max_backoff,
         connect_deadline: Duration::from_secs(10),

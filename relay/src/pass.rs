@@ -1,7 +1,8 @@
 //! Delivery passes over one `Receive` stream: a window of envelopes in flight, answers
-//! matched in order, each answer recorded in producer.db before the next decision. A flow
-//! answered with a conflict or rejection gets no new rows in that pass; rows of it already
-//! in flight are recorded by their own answers; a refused row is never marked.
+//! matched in order, and every run of answers already arrived (up to `mark_batch`) recorded
+//! in ONE producer.db transaction before the next decision. A flow answered with a conflict
+//! or rejection gets no new rows in that pass; rows of it already in flight are recorded by
+//! their own answers; a refused row is never marked.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
@@ -15,7 +16,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint};
 
-use crate::ledger::Ledger;
+use crate::ledger::{Ledger, Recorded};
 use crate::output::{Report, is_accepted, is_refusal, word};
 use crate::{Config, Mode};
 
@@ -62,7 +63,19 @@ impl Session {
     }
 
     async fn answer(&mut self) -> Result<pb::ReceiveResult, RelayError> {
-        match self.answers.message().await {
+        Self::read(self.answers.message().await)
+    }
+
+    /// The next answer if it has already arrived, without waiting (`Streaming::message` is
+    /// cancel-safe: an answer not yet complete stays buffered in the stream).
+    fn answer_now(&mut self) -> Option<Result<pb::ReceiveResult, RelayError>> {
+        futures::FutureExt::now_or_never(self.answers.message()).map(Self::read)
+    }
+
+    fn read(
+        message: Result<Option<pb::ReceiveResult>, tonic::Status>,
+    ) -> Result<pb::ReceiveResult, RelayError> {
+        match message {
             Ok(Some(answer)) => Ok(answer),
             Ok(None) => Err(RelayError::Stream("the consumer ended the stream early".into())),
             Err(status) => Err(RelayError::Stream(status.to_string())),
@@ -86,17 +99,26 @@ struct PassResult {
     refused: Vec<(String, &'static str)>,
 }
 
-/// Sends the rows of `source` (minus the flows in `skip`) with up to `window` in flight,
-/// recording every answer. Stops taking new rows when `stopping` says so.
+/// How many envelopes a pass keeps in flight and how many answers one mark transaction holds.
+#[derive(Clone, Copy, Debug)]
+struct Caps {
+    window: usize,
+    mark_batch: usize,
+}
+
+/// Sends the rows of `source` (minus the flows in `skip`) with up to `caps.window` in flight,
+/// recording every answer (runs of up to `caps.mark_batch` answers per transaction). Stops
+/// taking new rows when `stopping` says so.
 async fn pass(
     session: &mut Session,
     ledger: &Ledger,
     mut source: Source,
     skip: &HashSet<String>,
-    window: usize,
+    caps: Caps,
     report: &mut Report,
     stopping: &dyn Fn() -> bool,
 ) -> Result<PassResult, RelayError> {
+    let window = caps.window.max(1);
     let mut result = PassResult::default();
     let mut refused_now: HashSet<String> = HashSet::new();
     let mut in_flight: VecDeque<OutboxRecord> = VecDeque::new();
@@ -134,29 +156,68 @@ async fn pass(
             session.send(envelope).await?;
             in_flight.push_back(row);
         }
-        let Some(row) = in_flight.pop_front() else { break };
-        let answer = session.answer().await?;
-        if answer.event_id != row.event_id {
-            return Err(RelayError::Stream(format!(
-                "answer for {:?} arrived where {:?} was expected",
-                answer.event_id, row.event_id
-            )));
+        if in_flight.is_empty() {
+            break;
         }
-        let outcome = pb::ReceiveOutcome::try_from(answer.outcome).unwrap_or(pb::ReceiveOutcome::Unspecified);
-        ledger.record(row.event_id.clone(), word(outcome), is_accepted(outcome)).await?;
-        report.delivery(&row.event_id, &row.flow_id, row.seq, outcome, &answer.detail);
-        result.sent += 1;
-        if is_refusal(outcome) || !is_accepted(outcome) {
-            if refused_now.insert(row.flow_id.clone()) {
-                tracing::warn!(
-                    flow_id = %row.flow_id, event_id = %row.event_id, outcome = word(outcome), detail = %answer.detail,
-                    "flow held back: its row was not accepted; it stays unaccepted for an operator"
-                );
+        // Wait for one answer, then take every answer already arrived (up to the cap): they
+        // are recorded together in one transaction.
+        // A stream failure after some answers arrived ends the pass only after those are
+        // recorded, as it would have one answer at a time.
+        let mut answers = vec![session.answer().await?];
+        let mut broken = None;
+        while answers.len() < caps.mark_batch.max(1) && answers.len() < in_flight.len() {
+            match session.answer_now() {
+                Some(Ok(answer)) => answers.push(answer),
+                Some(Err(e)) => {
+                    broken = Some(e);
+                    break;
+                }
+                None => break,
             }
-            result.refused.push((row.flow_id.clone(), word(outcome)));
+        }
+        let rows: Vec<OutboxRecord> = in_flight.drain(..answers.len()).collect();
+        let mut recorded = Vec::with_capacity(rows.len());
+        let mut outcomes = Vec::with_capacity(rows.len());
+        for (row, answer) in rows.iter().zip(&answers) {
+            if answer.event_id != row.event_id {
+                return Err(RelayError::Stream(format!(
+                    "answer for {:?} arrived where {:?} was expected",
+                    answer.event_id, row.event_id
+                )));
+            }
+            let outcome =
+                pb::ReceiveOutcome::try_from(answer.outcome).unwrap_or(pb::ReceiveOutcome::Unspecified);
+            recorded.push(Recorded {
+                event_id: row.event_id.clone(),
+                outcome: word(outcome),
+                accepted: is_accepted(outcome),
+            });
+            outcomes.push(outcome);
+        }
+        ledger.record(recorded).await?;
+        for ((row, answer), outcome) in rows.iter().zip(&answers).zip(outcomes) {
+            report.delivery(&row.event_id, &row.flow_id, row.seq, outcome, &answer.detail);
+            result.sent += 1;
+            if is_refusal(outcome) || !is_accepted(outcome) {
+                if refused_now.insert(row.flow_id.clone()) {
+                    tracing::warn!(
+                        flow_id = %row.flow_id, event_id = %row.event_id, outcome = word(outcome), detail = %answer.detail,
+                        "flow held back: its row was not accepted; it stays unaccepted for an operator"
+                    );
+                }
+                result.refused.push((row.flow_id.clone(), word(outcome)));
+            }
+        }
+        report.flush();
+        if let Some(e) = broken {
+            return Err(e);
         }
     }
     Ok(result)
+}
+
+fn caps(config: &Config) -> Caps {
+    Caps { window: config.window, mark_batch: config.mark_batch }
 }
 
 async fn connect(url: &str, deadline: Duration) -> Result<Channel, RelayError> {
@@ -217,7 +278,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<i
                 let channel = connect(&config.consumer_url, config.connect_deadline).await?;
                 let mut session = Session::open(channel, 1).await?;
                 let source = Source::Rows(VecDeque::from([row]));
-                pass(&mut session, &ledger, source, &HashSet::new(), 1, &mut report, &never).await?;
+                let caps = Caps { window: 1, mark_batch: 1 };
+                pass(&mut session, &ledger, source, &HashSet::new(), caps, &mut report, &never).await?;
             }
         }
         Mode::Drain => {
@@ -233,7 +295,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<i
                         &ledger,
                         Source::Unaccepted,
                         &skip,
-                        config.window,
+                        caps(&config),
                         &mut report,
                         &never,
                     )
@@ -260,10 +322,12 @@ async fn run_forever(
 ) -> Result<(), RelayError> {
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopping = move || *stop_rx.borrow();
-    let watcher = async move {
+    // Fused: once the signal came, the watcher stays pending instead of being polled again
+    // after completion by the next `select!` (the loop ends on `stopping()` anyway).
+    let watcher = futures::FutureExt::fuse(async move {
         shutdown.await;
         let _ = stop_tx.send(true);
-    };
+    });
     tokio::pin!(watcher);
     let mut held_back: HashMap<String, (Instant, Duration)> = HashMap::new();
     let mut reconnect_backoff = Duration::from_millis(100);
@@ -307,7 +371,7 @@ async fn run_forever(
             held_back.iter().filter(|(_, (until, _))| *until > now).map(|(flow, _)| flow.clone()).collect();
         let Some(active) = session.as_mut() else { continue };
         let outcome = {
-            let work = pass(active, ledger, Source::Unaccepted, &skip, config.window, report, &stopping);
+            let work = pass(active, ledger, Source::Unaccepted, &skip, caps(config), report, &stopping);
             tokio::pin!(work);
             tokio::select! {
                 r = &mut work => r,
