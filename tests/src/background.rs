@@ -39,6 +39,11 @@ impl RelayDaemon {
         RelayDaemon { child: Some(child), stdout, stderr }
     }
 
+    /// The process id while the process is owned (not yet reaped).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// What the relay logged so far.
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.stderr).unwrap_or_default()

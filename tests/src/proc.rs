@@ -107,6 +107,12 @@ impl ServerProcess {
         server
     }
 
+    /// The process id while the process is owned (not yet reaped), e.g. to read
+    /// `/proc/PID/status`.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// `http://ADDR`, for clients and the relay.
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)

@@ -1,6 +1,7 @@
 //! The multi-process test suite: real binaries, real files, one module per topic.
 //! Build the binaries first: `cargo build --release --bins`.
 
+mod auto_apply;
 mod consumer;
 mod consumer_crash;
 mod consumer_race;
