@@ -35,7 +35,7 @@ struct Args {
     #[arg(long, default_value_t = 64)]
     clients: usize,
     /// gRPC connections the callers share.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 2)]
     connections: usize,
     /// Open loop for the main run: start flows so that Advance calls arrive at this many per
     /// second on average, whatever their latency.

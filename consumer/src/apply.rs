@@ -130,12 +130,15 @@ struct FlowRun {
     pending: Vec<String>,
     /// Wrote anything (a step or a blocked mark) inside the open transaction.
     wrote: bool,
+    /// The projection this flow's last step wrote inside the open transaction (what a read
+    /// would return now); `None` at the start of each transaction, so it is read again.
+    known: Option<Projection>,
     end: Option<Result<(Stop, Projection), StoreError>>,
 }
 
 /// What one step inside the open transaction did.
 enum Progress {
-    Applied(String),
+    Applied { event_id: String, after: Projection },
     Stopped { stop: Stop, projection: Projection, wrote: bool },
 }
 
@@ -159,6 +162,7 @@ pub fn apply_flows(
             committed: Vec::new(),
             pending: Vec::new(),
             wrote: false,
+            known: None,
             end: None,
         })
         .collect();
@@ -181,8 +185,9 @@ pub fn apply_flows(
         while next < runs.len() && steps < max_batch {
             let run = &mut runs[next];
             let budget_left = run.committed.len() + run.pending.len() < max_steps as usize;
-            match step_in_tx(&tx, &run.flow_id, budget_left, &opts) {
-                Ok(Progress::Applied(event_id)) => {
+            match step_in_tx(&tx, &run.flow_id, run.known, budget_left, &opts) {
+                Ok(Progress::Applied { event_id, after }) => {
+                    run.known = Some(after);
                     run.pending.push(event_id);
                     run.wrote = true;
                     steps += 1;
@@ -206,6 +211,9 @@ pub fn apply_flows(
                     break;
                 }
             }
+        }
+        for run in &mut runs {
+            run.known = None;
         }
         let applied_any = runs.iter().any(|r| !r.pending.is_empty());
         let wrote_any = runs.iter().any(|r| r.wrote);
@@ -269,15 +277,20 @@ fn classify(tx: &Transaction<'_>, e: StoreError) -> StepFailure<StoreError> {
     if tx.is_autocommit() { StepFailure::TransactionLost(e) } else { StepFailure::RolledBack(e) }
 }
 
-/// Reads the projection and the row at its next seq inside the open transaction, decides,
-/// and writes the decision in its own savepoint.
+/// Reads the projection (unless this transaction's previous step of the flow just wrote it:
+/// `known`) and the row at its next seq inside the open transaction, decides, and writes the
+/// decision in its own savepoint.
 fn step_in_tx(
     tx: &Transaction<'_>,
     flow_id: &str,
+    known: Option<Projection>,
     budget_left: bool,
     opts: &ApplyOptions,
 ) -> Result<Progress, StepFailure<StoreError>> {
-    let from = store::projection(tx, flow_id).map_err(|e| classify(tx, e))?;
+    let from = match known {
+        Some(projection) => projection,
+        None => store::projection(tx, flow_id).map_err(|e| classify(tx, e))?,
+    };
     let next = store::next_to_apply(tx, flow_id, from.next_seq()).map_err(|e| classify(tx, e))?;
     let row = match next {
         Next::Idle => return Ok(Progress::Stopped { stop: Stop::Idle, projection: from, wrote: false }),
@@ -319,7 +332,7 @@ fn step_in_tx(
             })? {
                 StepOutcome::Applied => {
                     tracing::debug!(flow_id, event_id = %row.event_id, seq = row.seq, "applied");
-                    Ok(Progress::Applied(row.event_id))
+                    Ok(Progress::Applied { event_id: row.event_id, after })
                 }
                 // The projection was read inside this same transaction: it cannot have moved.
                 StepOutcome::Raced => Err(StepFailure::RolledBack(StoreError::Inconsistent(format!(

@@ -143,9 +143,20 @@ pub enum ReceiveOutcome {
 }
 
 /// Inside the caller's `BEGIN IMMEDIATE` transaction: stores `event` as pending unless its
-/// event id or its (flow_id, seq) is already taken. Writes only for `Accepted`.
+/// event id or its (flow_id, seq) is already taken. Writes only for `Accepted`. The insert is
+/// tried first (`ON CONFLICT DO NOTHING`: one statement for the common case); only when it
+/// stored nothing are the stored rows read to tell a duplicate from a conflict.
 pub fn insert_pending(tx: &Transaction<'_>, event: &Event, now_us: i64) -> Result<ReceiveOutcome> {
     let body = event.canonical_body();
+    let inserted = tx
+        .prepare_cached(
+            "INSERT INTO inbox(event_id, flow_id, seq, kind, schema, body, state, received_at_us)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'pending', ?7) ON CONFLICT DO NOTHING",
+        )?
+        .execute(params![event.event_id, event.flow_id, event.seq, event.kind, event.schema, body, now_us])?;
+    if inserted == 1 {
+        return Ok(ReceiveOutcome::Accepted);
+    }
     let stored: Option<String> = tx
         .prepare_cached("SELECT body FROM inbox WHERE event_id = ?1")?
         .query_row([&event.event_id], |r| r.get(0))
@@ -157,23 +168,13 @@ pub fn insert_pending(tx: &Transaction<'_>, event: &Event, now_us: i64) -> Resul
         .prepare_cached("SELECT event_id FROM inbox WHERE flow_id = ?1 AND seq = ?2")?
         .query_row(params![event.flow_id, event.seq], |r| r.get(0))
         .optional()?;
-    if let Some(held_by) = holder {
-        return Ok(ReceiveOutcome::SequenceConflict { held_by });
+    match holder {
+        Some(held_by) => Ok(ReceiveOutcome::SequenceConflict { held_by }),
+        None => Err(StoreError::Inconsistent(format!(
+            "inbox insert of {} stored nothing, yet neither its event_id nor its (flow_id, seq) is taken",
+            event.event_id
+        ))),
     }
-    tx.prepare_cached(
-        "INSERT INTO inbox(event_id, flow_id, seq, kind, schema, body, state, received_at_us)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'pending', ?7)",
-    )?
-    .execute(params![
-        event.event_id,
-        event.flow_id,
-        event.seq,
-        event.kind,
-        event.schema,
-        body,
-        now_us
-    ])?;
-    Ok(ReceiveOutcome::Accepted)
 }
 
 /// The flow's projection; a flow nothing was applied to is [`Projection::NEW`].
