@@ -199,6 +199,7 @@ async fn run_one(args: &Args, base: &std::path::Path, spec: &RunSpec) -> anyhow:
         let (path, caps) = (dir.path().to_owned(), spec.caps.clone());
         tokio::task::spawn_blocking(move || Pipeline::start(&path, &caps)).await?
     };
+    let bench_cpu_before = pipeline::proc_stats("self").cpu_seconds;
     let load = load::drive(&pipeline.producer.url(), "f", spec.flows, spec.load, args.connections).await?;
     anyhow::ensure!(
         load.unexpected.is_empty(),
@@ -222,6 +223,16 @@ async fn run_one(args: &Args, base: &std::path::Path, spec: &RunSpec) -> anyhow:
     });
     let kept = if args.keep { Some(dir.keep()) } else { None };
     Ok(report::run_json(
-        spec.label, spec.flows, &spec.load, &spec.caps, args, load, tables, stopped, files, kept,
+        spec.label,
+        spec.flows,
+        &spec.load,
+        &spec.caps,
+        args,
+        load,
+        tables,
+        stopped,
+        files,
+        kept,
+        bench_cpu_before,
     ))
 }

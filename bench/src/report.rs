@@ -27,7 +27,15 @@ pub fn machine(base: &Path) -> Value {
         .output()
         .ok()
         .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned());
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .map(|commit| {
+            let dirty = std::process::Command::new("git")
+                .args(["status", "--porcelain", "--untracked-files=no"])
+                .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+                .output()
+                .is_ok_and(|o| !o.stdout.is_empty());
+            if dirty { format!("{commit}-dirty") } else { commit }
+        });
     json!({
         "date_utc": utc_now(),
         "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
@@ -99,12 +107,15 @@ pub fn run_json(
     stopped: Stopped,
     files: Value,
     kept: Option<PathBuf>,
+    bench_cpu_before: f64,
 ) -> Value {
     let events = flows as u64 * 3;
     let e2e = rate(events, driven.first_send_us, tables.applied.last_us);
     let stage = |s: &crate::measure::Stage| json!({"events": s.events, "events_per_s": s.events_per_s.round(), "first_us": s.first_us, "last_us": s.last_us});
     let advance_latency = percentiles(driven.latencies_us.iter().map(|&v| i64::from(v)).collect());
-    let bench_self = proc_stats("self");
+    // This process drives every run: count only the CPU time it spent during this one.
+    let mut bench_self = proc_stats("self");
+    bench_self.cpu_seconds -= bench_cpu_before;
     let proc = |p: &crate::pipeline::ProcStats| json!({"pid": p.pid, "peak_rss_mib": round(p.peak_rss_mib), "cpu_seconds": round(p.cpu_seconds), "cpu_us_per_event": (p.cpu_seconds * 1e6 / events as f64).round()});
     json!({
         "label": label,
@@ -140,6 +151,25 @@ pub fn run_json(
         },
         "latency_commit_to_applied_ms": pct(&tables.commit_to_applied),
         "latency_commit_to_received_ms": pct(&tables.commit_to_received),
+        "cpu_us_per_event": {
+            "servers_and_relay": ((stopped.producer.cpu_seconds + stopped.consumer.cpu_seconds + stopped.relay.cpu_seconds)
+                * 1e6
+                / events as f64)
+                .round(),
+            "including_bench_clients": ((stopped.producer.cpu_seconds
+                + stopped.consumer.cpu_seconds
+                + stopped.relay.cpu_seconds
+                + bench_self.cpu_seconds)
+                * 1e6
+                / events as f64)
+                .round(),
+        },
+        "loadavg_at_end": std::fs::read_to_string("/proc/loadavg")
+            .unwrap_or_default()
+            .split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" "),
         "processes": {
             "producer": proc(&stopped.producer),
             "consumer": proc(&stopped.consumer),
