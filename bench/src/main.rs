@@ -216,11 +216,16 @@ async fn run_one(args: &Args, base: &std::path::Path, spec: &RunSpec) -> anyhow:
         tokio::task::spawn_blocking(move || measure::wait_until_applied(&p, &c, events, deadline)).await??;
     }
     let stopped = tokio::task::spawn_blocking(move || pipeline.stop()).await?;
-    let tables = measure::read_tables(&producer_db, &consumer_db, spec.flows as u64)?;
-    let files = json!({
-        "producer.db": measure::journal_mode_in_file(&producer_db)?,
-        "consumer.db": measure::journal_mode_in_file(&consumer_db)?,
-    });
+    let flows = spec.flows as u64;
+    let (tables, files) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+        let tables = measure::read_tables(&producer_db, &consumer_db, flows)?;
+        let files = json!({
+            "producer.db": measure::journal_mode_in_file(&producer_db)?,
+            "consumer.db": measure::journal_mode_in_file(&consumer_db)?,
+        });
+        Ok((tables, files))
+    })
+    .await??;
     let kept = if args.keep { Some(dir.keep()) } else { None };
     Ok(report::run_json(
         spec.label,

@@ -2,7 +2,9 @@
 //! one short statement at a time): each stage's rate from its timestamps
 //! (`outbox.committed_at_us`, `inbox.received_at_us`, `outbox.accepted_at_us`,
 //! `inbox.applied_at_us`), commit→applied latency per event, the journal mode stored in each
-//! file, and a check that every flow ended released with exactly three effects.
+//! file, and a check that every flow ended released with exactly three effects. Like the
+//! test harness, it reads the files with its own queries, independently of the services'
+//! store modules (which own every write), and only on blocking threads.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
