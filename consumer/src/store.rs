@@ -273,16 +273,16 @@ pub fn mark_blocked(tx: &Transaction<'_>, event_id: &str, reason: BlockReason) -
 pub enum StepOutcome {
     /// Projection, effect and inbox mark written; the caller commits.
     Applied,
-    /// The projection re-read inside the transaction is not the one the decision was made
+    /// The stored projection is not the one the decision was made
     /// on (another applier won): nothing written, decide again.
     Raced,
 }
 
-/// Inside the caller's `BEGIN IMMEDIATE` transaction, the applied step of SPEC §7: re-reads
-/// the projection (never trusting the caller's copy), and only if it is still `from`
-/// updates it to `after`, inserts the effect and marks `row` applied. Any failure (a
-/// constraint, a trigger) is returned before commit, so the caller's rollback undoes all
-/// three. Crash points `consumer.apply.after_projection` and `.after_effect` sit inside.
+/// Inside the caller's `BEGIN IMMEDIATE` transaction, the applied step of SPEC §7: only if
+/// the stored projection is still `from` (checked by the guarded write itself, never
+/// trusting the caller's copy) updates it to `after`, inserts the effect and marks `row`
+/// applied. Any failure (a constraint, a trigger) is returned before commit, so the caller's
+/// rollback undoes all three. Crash points `consumer.apply.after_projection` and `.after_effect` sit inside.
 pub fn apply_step(
     tx: &Transaction<'_>,
     row: &InboxRecord,
@@ -292,16 +292,43 @@ pub fn apply_step(
     crash: &CrashSwitch,
     now_us: i64,
 ) -> Result<StepOutcome> {
-    if projection(tx, &row.flow_id)? != *from || after.last_seq != row.seq {
+    if after.last_seq != row.seq {
         return Ok(StepOutcome::Raced);
     }
-    tx.prepare_cached(
-        "INSERT INTO projection(flow_id, last_seq, state, held, amount) VALUES (?1, ?2, ?3, ?4, ?5)
-         ON CONFLICT(flow_id) DO UPDATE SET
-             last_seq = excluded.last_seq, state = excluded.state,
-             held = excluded.held, amount = excluded.amount",
-    )?
-    .execute(params![row.flow_id, after.last_seq, after.state.as_str(), after.held, after.amount])?;
+    // The write itself checks that the stored projection is still `from` (no row at all for
+    // a new flow), so nothing is written when another applier moved it.
+    let moved = if *from == Projection::NEW {
+        tx.prepare_cached(
+            "INSERT INTO projection(flow_id, last_seq, state, held, amount) VALUES (?1, ?2, ?3, ?4, ?5)
+             ON CONFLICT(flow_id) DO NOTHING",
+        )?
+        .execute(params![
+            row.flow_id,
+            after.last_seq,
+            after.state.as_str(),
+            after.held,
+            after.amount
+        ])?
+    } else {
+        tx.prepare_cached(
+            "UPDATE projection SET last_seq = ?2, state = ?3, held = ?4, amount = ?5
+             WHERE flow_id = ?1 AND last_seq = ?6 AND state = ?7 AND held = ?8 AND amount = ?9",
+        )?
+        .execute(params![
+            row.flow_id,
+            after.last_seq,
+            after.state.as_str(),
+            after.held,
+            after.amount,
+            from.last_seq,
+            from.state.as_str(),
+            from.held,
+            from.amount
+        ])?
+    };
+    if moved != 1 {
+        return Ok(StepOutcome::Raced);
+    }
     crash.reach(CrashPoint::ConsumerApplyAfterProjection);
     tx.prepare_cached(
         "INSERT INTO effect(event_id, flow_id, seq, kind, held, applied_at_us)
