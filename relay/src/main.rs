@@ -38,6 +38,17 @@ struct Args {
         global = true
     )]
     mark_batch: usize,
+    /// How long, in milliseconds, an arrived answer may wait for more answers to share its
+    /// producer.db transaction (up to --mark-batch). 0 records what has arrived at once.
+    #[arg(
+        long,
+        env = "ORDERED_EVENTS_RELAY_MARK_DELAY_MS",
+        value_name = "MS",
+        default_value_t = relay::DEFAULT_MARK_DELAY_MS,
+        value_parser = clap::value_parser!(u64).range(0..=10_000),
+        global = true
+    )]
+    mark_delay_ms: u64,
     /// Log format on stderr.
     #[arg(long, env = "ORDERED_EVENTS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
     log_format: LogFormat,
@@ -102,6 +113,7 @@ async fn main() -> ExitCode {
         mode,
         window: args.window as usize,
         mark_batch: args.mark_batch,
+        mark_delay: Duration::from_millis(args.mark_delay_ms),
         poll_interval,
         max_backoff,
         connect_deadline: Duration::from_secs(10),

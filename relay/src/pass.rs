@@ -1,8 +1,9 @@
 //! Delivery passes over one `Receive` stream: a window of envelopes in flight, answers
-//! matched in order, and every run of answers already arrived (up to `mark_batch`) recorded
-//! in ONE producer.db transaction before the next decision. A flow answered with a conflict
-//! or rejection gets no new rows in that pass; rows of it already in flight are recorded by
-//! their own answers; a refused row is never marked.
+//! matched in order, and runs of answers (up to `mark_batch`, or whatever arrived within
+//! `mark_delay` of the oldest) recorded in ONE producer.db transaction; the pass ends only
+//! after every answer is recorded. A flow answered with a conflict or rejection gets no new
+//! rows in that pass from that answer on; rows of it already in flight are recorded by their
+//! own answers; a refused row is never marked.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
@@ -104,6 +105,8 @@ struct PassResult {
 struct Caps {
     window: usize,
     mark_batch: usize,
+    /// How long an arrived answer may wait for others to share its transaction.
+    mark_delay: Duration,
 }
 
 /// Sends the rows of `source` (minus the flows in `skip`) with up to `caps.window` in flight,
@@ -125,6 +128,8 @@ async fn pass(
     let mut page: VecDeque<OutboxRecord> = VecDeque::new();
     let mut cursor = (String::new(), 0u64);
     let mut exhausted = false;
+    // Answers arrived and not yet recorded in producer.db, in stream order.
+    let mut answered: Vec<Answered> = Vec::new();
     loop {
         while in_flight.len() < window && !stopping() {
             if page.is_empty() {
@@ -159,65 +164,108 @@ async fn pass(
         if in_flight.is_empty() {
             break;
         }
-        // Wait for one answer, then take every answer already arrived (up to the cap): they
-        // are recorded together in one transaction.
-        // A stream failure after some answers arrived ends the pass only after those are
-        // recorded, as it would have one answer at a time.
-        let mut answers = vec![session.answer().await?];
+        // Wait for the next answer, but not past the moment the oldest unrecorded answer has
+        // waited `mark_delay`; then take every answer already arrived.
+        let next = match answered.first() {
+            None => Some(session.answer().await),
+            Some(first) => {
+                let due = first.at + caps.mark_delay;
+                tokio::time::timeout_at(due.into(), session.answer()).await.ok()
+            }
+        };
         let mut broken = None;
-        while answers.len() < caps.mark_batch.max(1) && answers.len() < in_flight.len() {
-            match session.answer_now() {
-                Some(Ok(answer)) => answers.push(answer),
-                Some(Err(e)) => {
-                    broken = Some(e);
+        if let Some(next) = next {
+            let mut next = Some(next);
+            while let Some(arrived) = next.take() {
+                let answer = match arrived {
+                    Ok(answer) => answer,
+                    Err(e) => {
+                        broken = Some(e);
+                        break;
+                    }
+                };
+                let Some(row) = in_flight.pop_front() else {
+                    broken = Some(RelayError::Stream("an answer arrived for nothing in flight".into()));
+                    break;
+                };
+                if answer.event_id != row.event_id {
+                    broken = Some(RelayError::Stream(format!(
+                        "answer for {:?} arrived where {:?} was expected",
+                        answer.event_id, row.event_id
+                    )));
                     break;
                 }
-                None => break,
-            }
-        }
-        let rows: Vec<OutboxRecord> = in_flight.drain(..answers.len()).collect();
-        let mut recorded = Vec::with_capacity(rows.len());
-        let mut outcomes = Vec::with_capacity(rows.len());
-        for (row, answer) in rows.iter().zip(&answers) {
-            if answer.event_id != row.event_id {
-                return Err(RelayError::Stream(format!(
-                    "answer for {:?} arrived where {:?} was expected",
-                    answer.event_id, row.event_id
-                )));
-            }
-            let outcome =
-                pb::ReceiveOutcome::try_from(answer.outcome).unwrap_or(pb::ReceiveOutcome::Unspecified);
-            recorded.push(Recorded {
-                event_id: row.event_id.clone(),
-                outcome: word(outcome),
-                accepted: is_accepted(outcome),
-            });
-            outcomes.push(outcome);
-        }
-        ledger.record(recorded).await?;
-        for ((row, answer), outcome) in rows.iter().zip(&answers).zip(outcomes) {
-            report.delivery(&row.event_id, &row.flow_id, row.seq, outcome, &answer.detail);
-            result.sent += 1;
-            if is_refusal(outcome) || !is_accepted(outcome) {
-                if refused_now.insert(row.flow_id.clone()) {
-                    tracing::warn!(
-                        flow_id = %row.flow_id, event_id = %row.event_id, outcome = word(outcome), detail = %answer.detail,
-                        "flow held back: its row was not accepted; it stays unaccepted for an operator"
-                    );
+                let outcome =
+                    pb::ReceiveOutcome::try_from(answer.outcome).unwrap_or(pb::ReceiveOutcome::Unspecified);
+                if is_refusal(outcome) || !is_accepted(outcome) {
+                    // Decided on the answer itself: no new row of this flow is sent from now on.
+                    if refused_now.insert(row.flow_id.clone()) {
+                        tracing::warn!(
+                            flow_id = %row.flow_id, event_id = %row.event_id, outcome = word(outcome), detail = %answer.detail,
+                            "flow held back: its row was not accepted; it stays unaccepted for an operator"
+                        );
+                    }
+                    result.refused.push((row.flow_id.clone(), word(outcome)));
                 }
-                result.refused.push((row.flow_id.clone(), word(outcome)));
+                answered.push(Answered { row, outcome, detail: answer.detail, at: Instant::now() });
+                if answered.len() < caps.mark_batch.max(1) && !in_flight.is_empty() {
+                    next = session.answer_now();
+                }
             }
         }
-        report.flush();
+        // Record when the cap is reached, when the oldest answer has waited long enough, when
+        // nothing is in flight any more, and before a stream failure ends the pass.
+        let due = answered.first().is_some_and(|first| first.at + caps.mark_delay <= Instant::now());
+        if broken.is_some() || in_flight.is_empty() || answered.len() >= caps.mark_batch.max(1) || due {
+            record(ledger, &mut answered, report, &mut result).await?;
+        }
         if let Some(e) = broken {
             return Err(e);
         }
     }
+    record(ledger, &mut answered, report, &mut result).await?;
     Ok(result)
 }
 
+/// An answer waiting to be recorded.
+struct Answered {
+    row: OutboxRecord,
+    outcome: pb::ReceiveOutcome,
+    detail: String,
+    /// When it arrived.
+    at: Instant,
+}
+
+/// Records `answered` in ONE producer.db transaction (marking the accepted rows), then
+/// writes their delivery lines.
+async fn record(
+    ledger: &Ledger,
+    answered: &mut Vec<Answered>,
+    report: &mut Report,
+    result: &mut PassResult,
+) -> Result<(), RelayError> {
+    if answered.is_empty() {
+        return Ok(());
+    }
+    let recorded = answered
+        .iter()
+        .map(|a| Recorded {
+            event_id: a.row.event_id.clone(),
+            outcome: word(a.outcome),
+            accepted: is_accepted(a.outcome),
+        })
+        .collect();
+    ledger.record(recorded).await?;
+    for a in answered.drain(..) {
+        report.delivery(&a.row.event_id, &a.row.flow_id, a.row.seq, a.outcome, &a.detail);
+        result.sent += 1;
+    }
+    report.flush();
+    Ok(())
+}
+
 fn caps(config: &Config) -> Caps {
-    Caps { window: config.window, mark_batch: config.mark_batch }
+    Caps { window: config.window, mark_batch: config.mark_batch, mark_delay: config.mark_delay }
 }
 
 async fn connect(url: &str, deadline: Duration) -> Result<Channel, RelayError> {
@@ -278,7 +326,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<i
                 let channel = connect(&config.consumer_url, config.connect_deadline).await?;
                 let mut session = Session::open(channel, 1).await?;
                 let source = Source::Rows(VecDeque::from([row]));
-                let caps = Caps { window: 1, mark_batch: 1 };
+                let caps = Caps { window: 1, mark_batch: 1, mark_delay: Duration::ZERO };
                 pass(&mut session, &ledger, source, &HashSet::new(), caps, &mut report, &never).await?;
             }
         }
