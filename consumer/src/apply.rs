@@ -1,22 +1,37 @@
-//! The `Apply` loop (SPEC §7): per flow, exactly the next seq, decided by `rules` and then
-//! blocked or applied through `store`, each write its own `BEGIN IMMEDIATE` that re-reads
-//! the projection first, so racing appliers (threads or processes) leave one effect per seq.
+//! The `Apply` loop (SPEC §7), group-committed: per flow, exactly the next seq, decided by
+//! `rules` and then blocked or applied through `store`. Consecutive steps of many flows share
+//! one `BEGIN IMMEDIATE` transaction (up to `max_batch` steps), every decision is read inside
+//! it, and each step (projection + effect + inbox mark) runs in its own `SAVEPOINT`, so a
+//! failing step rolls back alone and racing appliers (threads or processes) leave one effect
+//! per seq.
 
 use std::sync::{Mutex, MutexGuard};
 
 use proto::body::Event;
 use proto::crash::{CrashPoint, CrashSwitch};
-use proto::db;
-use rusqlite::Connection;
+use proto::db::{self, StepFailure};
+use rusqlite::{Connection, Transaction};
 
 use crate::rules::{BlockReason, Decision, Projection, decide_next};
 use crate::store::{self, InboxState, Next, StepOutcome, StoreError};
 
-/// How this consumer applies: whether the v2 decoder is enabled, and its crash point.
-#[derive(Clone, Copy, Debug, Default)]
+/// Default cap of applied steps per transaction (`--apply-batch`).
+pub const DEFAULT_APPLY_BATCH: usize = 256;
+
+/// How this consumer applies: whether the v2 decoder is enabled, its crash point, and how
+/// many steps one transaction may hold.
+#[derive(Clone, Copy, Debug)]
 pub struct ApplyOptions {
     pub support_v2: bool,
     pub crash: CrashSwitch,
+    /// Steps (applied or blocked marks) per transaction; 1 commits each step alone.
+    pub max_batch: usize,
+}
+
+impl Default for ApplyOptions {
+    fn default() -> Self {
+        ApplyOptions { support_v2: false, crash: CrashSwitch::default(), max_batch: DEFAULT_APPLY_BATCH }
+    }
 }
 
 /// Why an `Apply` stopped.
@@ -52,106 +67,33 @@ pub struct ApplyFailure {
     pub source: StoreError,
 }
 
-/// One step of the loop.
-enum Progress {
-    Applied(String),
-    /// Another applier moved the projection between our read and our write: look again.
-    Raced,
-    Stopped(Stop, Projection),
-}
-
 /// Locks the shared connection. A panic while holding the lock rolled its transaction back
 /// on unwind; the connection itself is still usable.
 pub fn lock(conn: &Mutex<Connection>) -> MutexGuard<'_, Connection> {
     conn.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Applies `flow_id`'s exact next seqs, up to `max_steps`, taking the lock once per step so
-/// `Receive` interleaves with a long `Apply`. Blocking: call it on a blocking thread.
+/// Applies `flow_id`'s exact next seqs, up to `max_steps`, in transactions of up to
+/// `opts.max_batch` steps (the lock is taken per transaction, so `Receive` interleaves with
+/// a long `Apply`). Blocking: call it on a blocking thread.
 pub fn apply_flow(
     shared: &Mutex<Connection>,
     flow_id: &str,
     max_steps: u32,
     opts: ApplyOptions,
 ) -> Result<ApplyReport, ApplyFailure> {
-    let mut applied = Vec::new();
-    loop {
-        let budget_left = applied.len() < max_steps as usize;
-        let progress = step_once(&mut lock(shared), flow_id, budget_left, opts);
-        match progress {
-            Ok(Progress::Applied(event_id)) => applied.push(event_id),
-            Ok(Progress::Raced) => {}
-            Ok(Progress::Stopped(stop, projection)) => {
-                return Ok(ApplyReport { flow_id: flow_id.to_owned(), applied, stop, projection });
-            }
-            Err(source) => return Err(ApplyFailure { applied, source }),
-        }
+    let mut results = apply_flows(shared, vec![flow_id.to_owned()], max_steps, opts);
+    match results.pop() {
+        Some(result) => result.outcome,
+        // apply_flows answers every flow it is given.
+        None => Err(ApplyFailure {
+            applied: Vec::new(),
+            source: StoreError::Inconsistent("apply produced no result".into()),
+        }),
     }
 }
 
-/// Reads the projection and the row at its next seq, decides, and writes the decision in
-/// its own `BEGIN IMMEDIATE` transaction (re-checked inside it).
-fn step_once(
-    conn: &mut Connection,
-    flow_id: &str,
-    budget_left: bool,
-    opts: ApplyOptions,
-) -> Result<Progress, StoreError> {
-    let (from, next) = {
-        // One snapshot for the projection and the row; released before any write.
-        let read = conn.transaction()?;
-        let from = store::projection(&read, flow_id)?;
-        let next = store::next_to_apply(&read, flow_id, from.next_seq())?;
-        (from, next)
-    };
-    let row = match next {
-        Next::Idle => return Ok(Progress::Stopped(Stop::Idle, from)),
-        Next::Gap => return Ok(Progress::Stopped(Stop::Gap { waiting_for_seq: from.next_seq() }, from)),
-        Next::Row(row) => row,
-    };
-    if !budget_left {
-        return Ok(Progress::Stopped(Stop::Limit, from));
-    }
-    let event = Event::from_canonical_body(&row.body)
-        .map_err(|e| StoreError::Inconsistent(format!("inbox {}: {e}", row.event_id)))?;
-    match decide_next(&from, &event, opts.support_v2) {
-        Decision::Block { reason, detail } => {
-            if row.state != InboxState::Blocked || row.reason != Some(reason) {
-                let tx = db::begin_immediate(conn)?;
-                if store::projection(&tx, flow_id)? != from {
-                    return Ok(Progress::Raced);
-                }
-                if store::mark_blocked(&tx, &row.event_id, reason)? {
-                    tracing::warn!(
-                        flow_id,
-                        event_id = %row.event_id,
-                        seq = row.seq,
-                        reason = reason.as_str(),
-                        %detail,
-                        "event blocked: kept stored, re-evaluated on every Apply"
-                    );
-                }
-                tx.commit()?;
-            }
-            let stop = Stop::Blocked { event_id: row.event_id, reason, detail };
-            Ok(Progress::Stopped(stop, from))
-        }
-        Decision::Apply { kind, after } => {
-            let tx = db::begin_immediate(conn)?;
-            match store::apply_step(&tx, &row, &from, kind, &after, &opts.crash, crate::now_us())? {
-                StepOutcome::Raced => Ok(Progress::Raced),
-                StepOutcome::Applied => {
-                    tx.commit()?;
-                    opts.crash.reach(CrashPoint::ConsumerApplyAfterCommit);
-                    tracing::debug!(flow_id, event_id = %row.event_id, seq = row.seq, "applied");
-                    Ok(Progress::Applied(row.event_id))
-                }
-            }
-        }
-    }
-}
-
-/// One flow's result in `apply_all`.
+/// One flow's result in `apply_all` and `apply_flows`.
 #[derive(Debug)]
 pub struct FlowResult {
     pub flow_id: String,
@@ -161,9 +103,9 @@ pub struct FlowResult {
 /// How many flow ids `apply_all` reads per page.
 const FLOW_PAGE: usize = 256;
 
-/// Runs [`apply_flow`] for every flow with unapplied rows, in flow_id order; one flow's
-/// failure is its own result and the others go on. Only failing to list the flows fails
-/// the call. Blocking: call it on a blocking thread.
+/// Runs the apply loop for every flow with unapplied rows, in flow_id order, a page of flows
+/// per group of transactions; one flow's failure is its own result and the others go on.
+/// Only failing to list the flows fails the call. Blocking: call it on a blocking thread.
 pub fn apply_all(
     shared: &Mutex<Connection>,
     max_steps: u32,
@@ -175,9 +117,228 @@ pub fn apply_all(
         let page = store::flows_with_unapplied(&lock(shared), &after, FLOW_PAGE)?;
         let Some(last) = page.last() else { return Ok(results) };
         after = last.clone();
-        for flow_id in page {
-            let outcome = apply_flow(shared, &flow_id, max_steps, opts);
-            results.push(FlowResult { flow_id, outcome });
+        results.extend(apply_flows(shared, page, max_steps, opts));
+    }
+}
+
+/// One flow's progress while a group runs.
+struct FlowRun {
+    flow_id: String,
+    /// Applied and committed.
+    committed: Vec<String>,
+    /// Applied inside the open transaction.
+    pending: Vec<String>,
+    /// Wrote anything (a step or a blocked mark) inside the open transaction.
+    wrote: bool,
+    /// The projection this flow's last step wrote inside the open transaction (what a read
+    /// would return now); `None` at the start of each transaction, so it is read again.
+    known: Option<Projection>,
+    end: Option<Result<(Stop, Projection), StoreError>>,
+}
+
+/// What one step inside the open transaction did.
+enum Progress {
+    Applied { event_id: String, after: Projection },
+    Stopped { stop: Stop, projection: Projection, wrote: bool },
+}
+
+/// Applies each of `flows` in turn, up to `max_steps` each, with consecutive steps of many
+/// flows in one `BEGIN IMMEDIATE` transaction of up to `opts.max_batch` steps. Each step is
+/// its own savepoint: a failing step rolls back alone and fails only its flow (the others'
+/// steps in the same transaction commit); if the whole transaction is lost, every flow that
+/// wrote in it fails and keeps only what was committed before. `consumer.apply.after_commit`
+/// is reached after each commit that holds an applied step. Blocking: call it on a blocking
+/// thread.
+pub fn apply_flows(
+    shared: &Mutex<Connection>,
+    flows: Vec<String>,
+    max_steps: u32,
+    opts: ApplyOptions,
+) -> Vec<FlowResult> {
+    let mut runs: Vec<FlowRun> = flows
+        .into_iter()
+        .map(|flow_id| FlowRun {
+            flow_id,
+            committed: Vec::new(),
+            pending: Vec::new(),
+            wrote: false,
+            known: None,
+            end: None,
+        })
+        .collect();
+    let max_batch = opts.max_batch.max(1);
+    let mut next = 0;
+    while next < runs.len() {
+        let mut guard = lock(shared);
+        let tx = match db::begin_immediate(&mut guard) {
+            Ok(tx) => tx,
+            Err(e) => {
+                // No write lock (busy past the timeout, or worse): every flow not yet done fails.
+                for run in &mut runs[next..] {
+                    run.end = Some(Err(StoreError::Sqlite(db::copy_error(&e))));
+                }
+                break;
+            }
+        };
+        let mut steps = 0;
+        let mut lost = None;
+        while next < runs.len() && steps < max_batch {
+            let run = &mut runs[next];
+            let budget_left = run.committed.len() + run.pending.len() < max_steps as usize;
+            match step_in_tx(&tx, &run.flow_id, run.known, budget_left, &opts) {
+                Ok(Progress::Applied { event_id, after }) => {
+                    run.known = Some(after);
+                    run.pending.push(event_id);
+                    run.wrote = true;
+                    steps += 1;
+                }
+                Ok(Progress::Stopped { stop, projection, wrote }) => {
+                    run.wrote |= wrote;
+                    steps += usize::from(wrote);
+                    run.end = Some(Ok((stop, projection)));
+                    next += 1;
+                }
+                Err(StepFailure::RolledBack(e)) => {
+                    run.end = Some(Err(e));
+                    next += 1;
+                }
+                Err(StepFailure::TransactionLost(e)) => {
+                    lost = Some(copy_store_error(&e));
+                    run.end = Some(Err(e));
+                    run.pending.clear();
+                    run.wrote = false;
+                    next += 1;
+                    break;
+                }
+            }
+        }
+        for run in &mut runs {
+            run.known = None;
+        }
+        let applied_any = runs.iter().any(|r| !r.pending.is_empty());
+        let wrote_any = runs.iter().any(|r| r.wrote);
+        let finished = if let Some(e) = lost {
+            drop(tx);
+            Err(e)
+        } else if wrote_any {
+            tx.commit().map_err(StoreError::Sqlite)
+        } else {
+            // Nothing written: dropping the transaction releases the lock.
+            drop(tx);
+            Ok(())
+        };
+        drop(guard);
+        match finished {
+            Ok(()) => {
+                for run in &mut runs {
+                    let pending = std::mem::take(&mut run.pending);
+                    run.committed.extend(pending);
+                    run.wrote = false;
+                }
+                if applied_any {
+                    opts.crash.reach(CrashPoint::ConsumerApplyAfterCommit);
+                }
+            }
+            Err(e) => {
+                for run in runs.iter_mut().filter(|r| r.wrote) {
+                    run.pending.clear();
+                    run.wrote = false;
+                    run.end = Some(Err(copy_store_error(&e)));
+                }
+            }
+        }
+    }
+    runs.into_iter()
+        .map(|run| {
+            let outcome = match run.end {
+                Some(Ok((stop, projection))) => {
+                    Ok(ApplyReport { flow_id: run.flow_id.clone(), applied: run.committed, stop, projection })
+                }
+                Some(Err(source)) => Err(ApplyFailure { applied: run.committed, source }),
+                None => Err(ApplyFailure {
+                    applied: run.committed,
+                    source: StoreError::Inconsistent("apply stopped before this flow was reached".into()),
+                }),
+            };
+            FlowResult { flow_id: run.flow_id, outcome }
+        })
+        .collect()
+}
+
+fn copy_store_error(e: &StoreError) -> StoreError {
+    match e {
+        StoreError::Sqlite(e) => StoreError::Sqlite(db::copy_error(e)),
+        StoreError::Inconsistent(msg) => StoreError::Inconsistent(msg.clone()),
+    }
+}
+
+/// A failure outside a savepoint (a read): the transaction survives unless SQLite dropped it.
+fn classify(tx: &Transaction<'_>, e: StoreError) -> StepFailure<StoreError> {
+    if tx.is_autocommit() { StepFailure::TransactionLost(e) } else { StepFailure::RolledBack(e) }
+}
+
+/// Reads the projection (unless this transaction's previous step of the flow just wrote it:
+/// `known`) and the row at its next seq inside the open transaction, decides, and writes the
+/// decision in its own savepoint.
+fn step_in_tx(
+    tx: &Transaction<'_>,
+    flow_id: &str,
+    known: Option<Projection>,
+    budget_left: bool,
+    opts: &ApplyOptions,
+) -> Result<Progress, StepFailure<StoreError>> {
+    let from = match known {
+        Some(projection) => projection,
+        None => store::projection(tx, flow_id).map_err(|e| classify(tx, e))?,
+    };
+    let next = store::next_to_apply(tx, flow_id, from.next_seq()).map_err(|e| classify(tx, e))?;
+    let row = match next {
+        Next::Idle => return Ok(Progress::Stopped { stop: Stop::Idle, projection: from, wrote: false }),
+        Next::Gap => {
+            let stop = Stop::Gap { waiting_for_seq: from.next_seq() };
+            return Ok(Progress::Stopped { stop, projection: from, wrote: false });
+        }
+        Next::Row(row) => row,
+    };
+    if !budget_left {
+        return Ok(Progress::Stopped { stop: Stop::Limit, projection: from, wrote: false });
+    }
+    let event = Event::from_canonical_body(&row.body).map_err(|e| {
+        StepFailure::RolledBack(StoreError::Inconsistent(format!("inbox {}: {e}", row.event_id)))
+    })?;
+    match decide_next(&from, &event, opts.support_v2) {
+        Decision::Block { reason, detail } => {
+            let mut wrote = false;
+            if row.state != InboxState::Blocked || row.reason != Some(reason) {
+                wrote = db::in_savepoint(tx, |tx| store::mark_blocked(tx, &row.event_id, reason))?;
+                if wrote {
+                    tracing::warn!(
+                        flow_id,
+                        event_id = %row.event_id,
+                        seq = row.seq,
+                        reason = reason.as_str(),
+                        %detail,
+                        "event blocked: kept stored, re-evaluated on every Apply"
+                    );
+                }
+            }
+            let stop = Stop::Blocked { event_id: row.event_id, reason, detail };
+            Ok(Progress::Stopped { stop, projection: from, wrote })
+        }
+        Decision::Apply { kind, after } => {
+            let now = crate::now_us();
+            match db::in_savepoint(tx, |tx| {
+                store::apply_step(tx, &row, &from, kind, &after, &opts.crash, now)
+            })? {
+                StepOutcome::Applied => {
+                    tracing::debug!(flow_id, event_id = %row.event_id, seq = row.seq, "applied");
+                    Ok(Progress::Applied { event_id: row.event_id, after })
+                }
+                // The projection was read inside this same transaction: it cannot have moved.
+                StepOutcome::Raced => Err(StepFailure::RolledBack(StoreError::Inconsistent(format!(
+                    "projection of {flow_id} moved inside the apply transaction"
+                )))),
+            }
         }
     }
 }
@@ -279,5 +440,87 @@ mod tests {
         assert_eq!((b.projection.state, b.projection.held, b.applied.len()), (FlowState::Released, 0, 3));
         let c = results[2].outcome.as_ref().unwrap_err();
         assert!(c.to_string().contains("inconsistent"), "{c}");
+    }
+
+    fn reference(conn: &Mutex<Connection>, flow: &str) {
+        for (seq, kind) in [(1, "reserved"), (2, "confirmed"), (3, "released")] {
+            receive(conn, flow, seq, kind, 1, V1);
+        }
+    }
+
+    /// Many flows share transactions of any size and end exactly as one transaction per step
+    /// would: a step whose effect insert a trigger rejects rolls back alone (its flow fails,
+    /// keeping the steps committed before), a gap and a block stop only their own flow.
+    #[test]
+    fn a_group_of_flows_ends_like_one_step_per_transaction() {
+        let mut views = Vec::new();
+        for max_batch in [1, 2, 4, 256] {
+            let dir = tempfile::tempdir().unwrap();
+            let conn = shared(&dir);
+            for flow in ["A", "B", "C"] {
+                reference(&conn, flow);
+            }
+            receive(&conn, "G", 2, "confirmed", 1, V1);
+            receive(&conn, "V", 1, "reserved", 2, r#"{"units":3}"#);
+            lock(&conn)
+                .execute_batch(
+                    "CREATE TRIGGER reject_b2 BEFORE INSERT ON effect WHEN NEW.event_id = 'B2'
+                     BEGIN SELECT RAISE(ABORT, 'effect B2 rejected'); END;",
+                )
+                .unwrap();
+            let opts = ApplyOptions { max_batch, ..ApplyOptions::default() };
+            let flows = ["A", "B", "C", "G", "V"].map(str::to_owned).to_vec();
+            let results = apply_flows(&conn, flows, 1000, opts);
+            let view: Vec<String> = results
+                .iter()
+                .map(|r| match &r.outcome {
+                    Ok(report) => format!(
+                        "{} {:?} {:?} {:?}",
+                        r.flow_id, report.applied, report.stop, report.projection
+                    ),
+                    Err(f) => format!("{} failed after {:?}: {}", r.flow_id, f.applied, f.source),
+                })
+                .collect();
+            assert!(
+                view[1].starts_with("B failed after [\"B1\"]") && view[1].contains("effect B2 rejected"),
+                "{view:?}"
+            );
+            assert!(view[3].contains("Gap { waiting_for_seq: 1 }"), "{view:?}");
+            assert!(view[4].contains("UnsupportedSchema"), "{view:?}");
+            let records = {
+                let conn = lock(&conn);
+                let mut records = Vec::new();
+                for flow in ["A", "B", "C", "G", "V"] {
+                    records.push(format!(
+                        "{:?} {:?} {:?}",
+                        store::projection(&conn, flow).unwrap(),
+                        store::flow_inbox(&conn, flow)
+                            .unwrap()
+                            .iter()
+                            .map(|r| (r.seq, r.state, r.reason))
+                            .collect::<Vec<_>>(),
+                        store::flow_effects(&conn, flow).unwrap()
+                    ));
+                }
+                records
+            };
+            views.push((view, records));
+        }
+        for other in &views[1..] {
+            assert_eq!(other, &views[0]);
+        }
+    }
+
+    /// A step limit smaller than the batch, and a batch smaller than the flow, both hold.
+    #[test]
+    fn limits_and_batches_split_a_flow() {
+        let dir = tempfile::tempdir().unwrap();
+        let conn = shared(&dir);
+        reference(&conn, "A");
+        let opts = ApplyOptions { max_batch: 2, ..ApplyOptions::default() };
+        let r = apply_flow(&conn, "A", 2, opts).unwrap();
+        assert_eq!((r.applied, r.stop), (vec!["A1".to_owned(), "A2".to_owned()], Stop::Limit));
+        let r = apply_flow(&conn, "A", 10, ApplyOptions { max_batch: 1, ..opts }).unwrap();
+        assert_eq!((r.applied, r.stop), (vec!["A3".to_owned()], Stop::Idle));
     }
 }

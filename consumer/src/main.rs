@@ -36,6 +36,37 @@ struct Args {
         value_parser = clap::builder::BoolishValueParser::new()
     )]
     support_v2: bool,
+    /// The most envelopes (from all Receive streams) one transaction, one durable commit, may
+    /// hold. Each is still answered only after that commit; 1 commits every envelope alone.
+    #[arg(
+        long,
+        env = "ORDERED_EVENTS_CONSUMER_MAX_BATCH",
+        value_name = "N",
+        default_value_t = consumer::receive::DEFAULT_MAX_BATCH,
+        value_parser = proto::group::parse_cap
+    )]
+    max_batch: usize,
+    /// The most applied steps (of one or many flows) one Apply transaction may hold; each
+    /// step is still projection + effect + inbox mark together. 1 commits every step alone.
+    #[arg(
+        long,
+        env = "ORDERED_EVENTS_APPLY_MAX_BATCH",
+        value_name = "N",
+        default_value_t = consumer::apply::DEFAULT_APPLY_BATCH,
+        value_parser = proto::group::parse_cap
+    )]
+    apply_batch: usize,
+    /// Apply automatically: after each committed Receive batch, apply the flows it touched
+    /// (and, at start-up, every flow with unapplied rows), so no one needs to call Apply.
+    /// Off by default: events then stay accepted until Apply or ApplyAll is called.
+    /// The environment twin takes true/false, 1/0, yes/no, on/off.
+    #[arg(
+        long,
+        env = "ORDERED_EVENTS_AUTO_APPLY",
+        action = ArgAction::SetTrue,
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    auto_apply: bool,
     /// Log format on stderr.
     #[arg(long, env = "ORDERED_EVENTS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
@@ -43,7 +74,7 @@ struct Args {
     serve: proto::serve::ServeOptions,
 }
 
-#[tokio::main]
+#[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let args = Args::parse();
     proto::serve::init_tracing(args.log_format);
@@ -59,7 +90,14 @@ async fn main() -> ExitCode {
 
 async fn run(args: Args) -> anyhow::Result<()> {
     let crash = proto::crash::CrashSwitch::from_env()?;
-    let config = consumer::Config { db: args.db, support_v2: args.support_v2, crash };
+    let config = consumer::Config {
+        db: args.db,
+        support_v2: args.support_v2,
+        crash,
+        max_batch: args.max_batch,
+        apply_batch: args.apply_batch,
+        auto_apply: args.auto_apply,
+    };
     let service = consumer::ConsumerService::open(&config)?;
     let settings = args.serve.load()?;
     let listener = tokio::net::TcpListener::bind(args.listen)

@@ -1,21 +1,23 @@
 //! The `ordered_events.v1.Consumer` gRPC service: checks transport limits and requests, runs
-//! every SQLite call on a blocking thread, answers each envelope only after its commit, and
-//! maps domain outcomes and storage failures to the wire in one place.
+//! every SQLite call on a blocking thread (Receive's on the group-committing writer,
+//! `receive`), answers each envelope in order and only after its commit, and maps domain
+//! outcomes and storage failures to the wire in one place.
 
 use std::future::Future;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use proto::crash::{CrashPoint, CrashSwitch};
+use proto::crash::CrashSwitch;
 use proto::db::{self, storage_status};
 use proto::pb;
 use rusqlite::Connection;
 use tokio::net::TcpListener;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::apply::{self, ApplyFailure, ApplyOptions, ApplyReport, Stop};
+use crate::receive::{self, ReceiveJob, StreamState, WriterOptions};
 use crate::request;
 use crate::rules::{BlockReason, Waiting, why_waiting};
 use crate::store::{self, EffectRecord, InboxRecord, ReceiveOutcome, StoreError};
@@ -27,23 +29,57 @@ pub struct Config {
     /// Decode schema 2 (`{"units": n}`).
     pub support_v2: bool,
     pub crash: CrashSwitch,
+    /// Envelopes per Receive transaction (one durable commit); 1 commits each alone.
+    pub max_batch: usize,
+    /// Applied steps per Apply transaction; 1 commits each step alone.
+    pub apply_batch: usize,
+    /// Apply the flows of every committed Receive batch without waiting for an Apply call.
+    pub auto_apply: bool,
+}
+
+/// Why the consumer could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error(transparent)]
+    Db(#[from] db::DbError),
+    #[error("cannot start the writer thread: {0}")]
+    Writer(#[from] std::io::Error),
 }
 
 /// Answers buffered per `Receive` stream before the reader waits for the client.
 const RECEIVE_BUFFER: usize = 64;
+/// Envelopes of one `Receive` stream read and queued for the writer but not yet answered:
+/// enough for a relay's whole window to share a commit.
+const STREAM_IN_FLIGHT: usize = 4096;
 
-/// The service state: one connection to consumer.db, used on blocking threads only, and
-/// the stop signal that ends open `Receive` streams at shutdown.
+/// The service state: one connection to consumer.db, used on blocking threads only (the
+/// Receive writer thread and `spawn_blocking`), and the stop signal that ends open
+/// `Receive` streams at shutdown.
 #[derive(Clone)]
 pub struct ConsumerService {
     conn: Arc<Mutex<Connection>>,
     opts: ApplyOptions,
+    writer: mpsc::Sender<ReceiveJob>,
     stopping: Arc<watch::Sender<bool>>,
 }
 
+/// One envelope of a stream, in read order: answered already, or waiting for its commit.
+enum Pending {
+    Ready(Answer),
+    Waiting { event: EventRef, answer: oneshot::Receiver<Result<ReceiveOutcome, Status>> },
+}
+
+/// What an answer says about its envelope.
+struct EventRef {
+    event_id: String,
+    flow_id: String,
+    seq: u64,
+}
+
 impl ConsumerService {
-    /// Opens (creating if needed) consumer.db and logs the effective settings.
-    pub fn open(config: &Config) -> Result<ConsumerService, db::DbError> {
+    /// Opens (creating if needed) consumer.db, logs the effective settings and starts the
+    /// Receive writer thread.
+    pub fn open(config: &Config) -> Result<ConsumerService, OpenError> {
         let conn = store::open(&config.db)?;
         let eff =
             db::effective(&conn).map_err(|source| db::DbError::Sqlite { path: config.db.clone(), source })?;
@@ -52,13 +88,22 @@ impl ConsumerService {
             journal_mode = %eff.journal_mode,
             synchronous = %eff.synchronous,
             v2_decoder = if config.support_v2 { "enabled" } else { "disabled" },
+            max_batch = config.max_batch,
+            apply_batch = config.apply_batch,
+            auto_apply = config.auto_apply,
             "consumer database open"
         );
-        Ok(ConsumerService {
-            conn: Arc::new(Mutex::new(conn)),
-            opts: ApplyOptions { support_v2: config.support_v2, crash: config.crash },
-            stopping: Arc::new(watch::channel(false).0),
-        })
+        let conn = Arc::new(Mutex::new(conn));
+        let opts = ApplyOptions {
+            support_v2: config.support_v2,
+            crash: config.crash,
+            max_batch: config.apply_batch,
+        };
+        let writer = receive::spawn(
+            Arc::clone(&conn),
+            WriterOptions { max_batch: config.max_batch, auto_apply: config.auto_apply, apply: opts },
+        )?;
+        Ok(ConsumerService { conn, opts, writer, stopping: Arc::new(watch::channel(false).0) })
     }
 
     /// Runs `f` with the connection on a blocking thread (SQLite never blocks the runtime).
@@ -85,17 +130,54 @@ impl ConsumerService {
             .map_err(|e| Status::internal(format!("storage task failed: {e}")))
     }
 
-    /// Reads `inbound` until the client half-closes, answering each envelope in order; stops
-    /// after the first storage failure (sent as the stream's error status), when the client
-    /// goes away, or at shutdown (after answering everything read).
-    async fn answer_stream(self, mut inbound: Streaming<pb::EventEnvelope>, answers: mpsc::Sender<Answer>) {
+    /// Answers `inbound`'s envelopes in read order until the client half-closes: a reader
+    /// task queues every envelope for the writer without waiting for earlier answers (so a
+    /// whole window shares a commit), and this loop sends each answer once its commit is
+    /// done. Stops after the first storage failure (sent as the stream's error status, after
+    /// every committed envelope before it was answered), when the client goes away, or at
+    /// shutdown (after answering everything read).
+    async fn answer_stream(self, inbound: Streaming<pb::EventEnvelope>, answers: mpsc::Sender<Answer>) {
+        let stream = Arc::new(StreamState::default());
+        let (queue, mut pending) = mpsc::channel(STREAM_IN_FLIGHT);
+        tokio::spawn(self.read_stream(inbound, queue, Arc::clone(&stream)));
+        while let Some(next) = pending.recv().await {
+            let answer = match next {
+                Pending::Ready(answer) => answer,
+                Pending::Waiting { event, answer } => match answer.await {
+                    Ok(Ok(outcome)) => Ok(receive_result(event, &outcome)),
+                    Ok(Err(status)) => Err(status),
+                    Err(_) => Err(Status::unavailable("receive: the writer thread stopped (shutting down?)")),
+                },
+            };
+            let failed = answer.is_err();
+            if answers.send(answer).await.is_err() {
+                tracing::debug!("Receive client went away");
+                stream.fail();
+                return;
+            }
+            if failed {
+                stream.fail();
+                return;
+            }
+        }
+    }
+
+    /// Reads envelopes in order: a transport-limit violation is answered `REJECTED` at once
+    /// (nothing stored), everything else goes to the writer. Stops at the client's
+    /// half-close, a broken request stream, a failed stream, or shutdown.
+    async fn read_stream(
+        self,
+        mut inbound: Streaming<pb::EventEnvelope>,
+        queue: mpsc::Sender<Pending>,
+        stream: Arc<StreamState>,
+    ) {
         let mut stopping = self.stopping.subscribe();
-        loop {
+        while !stream.failed() {
             let envelope = tokio::select! {
                 biased;
                 // The guard `wait_for` returns must not live across an await: drop it inside.
                 _ = async { drop(stopping.wait_for(|stop| *stop).await) } => {
-                    tracing::info!("shutting down: ending a Receive stream; every envelope read was answered");
+                    tracing::info!("shutting down: ending a Receive stream; every envelope read is answered");
                     return;
                 }
                 message = inbound.message() => match message {
@@ -105,68 +187,55 @@ impl ConsumerService {
                         // The request stream is broken (reset, or a message that does not
                         // decode): nothing more can be read, so nothing more is answered.
                         tracing::debug!(%status, "Receive request stream failed");
-                        let _ = answers.send(Err(status)).await;
+                        let _ = queue.send(Pending::Ready(Err(status))).await;
                         return;
                     }
                 },
             };
-            let answer = self.receive_one(envelope).await;
-            let failed = answer.is_err();
-            if answers.send(answer).await.is_err() {
-                tracing::debug!("Receive client went away");
-                return;
-            }
-            if failed {
+            let next = match proto::limits::check_envelope(&envelope) {
+                Err(limit) => Pending::Ready(Ok(pb::ReceiveResult {
+                    event_id: envelope.event_id,
+                    outcome: pb::ReceiveOutcome::Rejected as i32,
+                    detail: limit.to_string(),
+                })),
+                Ok(event) => {
+                    let event_ref = EventRef {
+                        event_id: event.event_id.clone(),
+                        flow_id: event.flow_id.clone(),
+                        seq: event.seq,
+                    };
+                    let (reply, answer) = oneshot::channel();
+                    let job = ReceiveJob { event, stream: Arc::clone(&stream), reply };
+                    if self.writer.send(job).await.is_err() {
+                        Pending::Ready(Err(Status::unavailable(
+                            "receive: the writer thread stopped (shutting down?)",
+                        )))
+                    } else {
+                        Pending::Waiting { event: event_ref, answer }
+                    }
+                }
+            };
+            if queue.send(next).await.is_err() {
                 return;
             }
         }
     }
+}
 
-    /// One envelope: transport limits (REJECTED, nothing stored), else one `BEGIN IMMEDIATE`
-    /// through `store::insert_pending`, committed before the answer exists.
-    async fn receive_one(&self, envelope: pb::EventEnvelope) -> Answer {
-        let event = match proto::limits::check_envelope(&envelope) {
-            Ok(event) => event,
-            Err(limit) => {
-                return Ok(pb::ReceiveResult {
-                    event_id: envelope.event_id,
-                    outcome: pb::ReceiveOutcome::Rejected as i32,
-                    detail: limit.to_string(),
-                });
-            }
-        };
-        let crash = self.opts.crash;
-        let (event, outcome) = self
-            .with_conn(move |conn| {
-                let tx = db::begin_immediate(conn).map_err(|e| storage_status("receive", &e))?;
-                let outcome =
-                    store::insert_pending(&tx, &event, crate::now_us(), store::Admission::Unlimited)
-                        .map_err(|e| store_status("receive", &e))?;
-                if outcome == ReceiveOutcome::Accepted {
-                    crash.reach(CrashPoint::ConsumerReceiveAfterInsert);
-                    tx.commit().map_err(|e| storage_status("receive commit", &e))?;
-                    crash.reach(CrashPoint::ConsumerReceiveAfterCommit);
-                }
-                Ok((event, outcome))
-            })
-            .await?;
-        tracing::debug!(event_id = %event.event_id, flow_id = %event.flow_id, seq = event.seq, ?outcome, "receive");
-        let detail = match &outcome {
-            ReceiveOutcome::Accepted | ReceiveOutcome::Duplicate => String::new(),
-            ReceiveOutcome::IdConflict => "event_id is already stored with a different body".to_owned(),
-            ReceiveOutcome::SequenceConflict { held_by } => {
-                format!("seq {} of flow {} is held by event {held_by}", event.seq, event.flow_id)
-            }
-            ReceiveOutcome::BacklogFull { unapplied } => {
-                format!("backlog full: {unapplied} unapplied rows; nothing stored, send it again later")
-            }
-        };
-        Ok(pb::ReceiveResult {
-            event_id: event.event_id,
-            outcome: pb::ReceiveOutcome::from(&outcome) as i32,
-            detail,
-        })
-    }
+/// The wire answer for a stored decision.
+fn receive_result(event: EventRef, outcome: &ReceiveOutcome) -> pb::ReceiveResult {
+    tracing::debug!(event_id = %event.event_id, flow_id = %event.flow_id, seq = event.seq, ?outcome, "receive");
+    let detail = match outcome {
+        ReceiveOutcome::Accepted | ReceiveOutcome::Duplicate => String::new(),
+        ReceiveOutcome::IdConflict => "event_id is already stored with a different body".to_owned(),
+        ReceiveOutcome::SequenceConflict { held_by } => {
+            format!("seq {} of flow {} is held by event {held_by}", event.seq, event.flow_id)
+        }
+        ReceiveOutcome::BacklogFull { unapplied } => {
+            format!("backlog full: {unapplied} unapplied rows; nothing stored, send it again later")
+        }
+    };
+    pb::ReceiveResult { event_id: event.event_id, outcome: pb::ReceiveOutcome::from(outcome) as i32, detail }
 }
 
 type Answer = Result<pb::ReceiveResult, Status>;
@@ -193,7 +262,7 @@ pub async fn run(
 
 /// The one mapping of store failures to statuses: busy is `UNAVAILABLE` (retryable),
 /// everything else `INTERNAL`.
-fn store_status(what: &str, e: &StoreError) -> Status {
+pub(crate) fn store_status(what: &str, e: &StoreError) -> Status {
     match e {
         StoreError::Sqlite(e) => storage_status(what, e),
         StoreError::Inconsistent(msg) => Status::internal(format!("{what}: {msg}")),

@@ -171,7 +171,10 @@ pub enum Admission {
 
 /// Inside the caller's `BEGIN IMMEDIATE` transaction: stores `event` as pending unless its
 /// event id or its (flow_id, seq) is already taken, or the backlog is full under
-/// `admission`. Writes only for `Accepted`.
+/// `admission`. Writes only for `Accepted`. Below the cap the insert is tried first
+/// (`ON CONFLICT DO NOTHING`: one statement for the common case); only when it stored
+/// nothing are the stored rows read to tell a duplicate from a conflict. At the cap, a
+/// duplicate or conflict is still answered as such before the backlog is.
 pub fn insert_pending(
     tx: &Transaction<'_>,
     event: &Event,
@@ -179,40 +182,49 @@ pub fn insert_pending(
     admission: Admission,
 ) -> Result<ReceiveOutcome> {
     let body = event.canonical_body();
+    if let Admission::Cap(cap) = admission {
+        let unapplied = unapplied_count(tx)?;
+        if unapplied >= cap {
+            if let Some(known) = stored_outcome(tx, event, &body)? {
+                return Ok(known);
+            }
+            if !fills_gap(tx, event)? {
+                return Ok(ReceiveOutcome::BacklogFull { unapplied });
+            }
+        }
+    }
+    let inserted = tx
+        .prepare_cached(
+            "INSERT INTO inbox(event_id, flow_id, seq, kind, schema, body, state, received_at_us)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'pending', ?7) ON CONFLICT DO NOTHING",
+        )?
+        .execute(params![event.event_id, event.flow_id, event.seq, event.kind, event.schema, body, now_us])?;
+    if inserted == 1 {
+        return Ok(ReceiveOutcome::Accepted);
+    }
+    stored_outcome(tx, event, &body)?.ok_or_else(|| {
+        StoreError::Inconsistent(format!(
+            "inbox insert of {} stored nothing, yet neither its event_id nor its (flow_id, seq) is taken",
+            event.event_id
+        ))
+    })
+}
+
+/// What the stored rows say about `event`: the same body under its id (`Duplicate`), another
+/// body (`IdConflict`), another id at its (flow_id, seq) (`SequenceConflict`), or nothing.
+fn stored_outcome(tx: &Transaction<'_>, event: &Event, body: &str) -> Result<Option<ReceiveOutcome>> {
     let stored: Option<String> = tx
         .prepare_cached("SELECT body FROM inbox WHERE event_id = ?1")?
         .query_row([&event.event_id], |r| r.get(0))
         .optional()?;
     if let Some(stored) = stored {
-        return Ok(if stored == body { ReceiveOutcome::Duplicate } else { ReceiveOutcome::IdConflict });
+        return Ok(Some(if stored == body { ReceiveOutcome::Duplicate } else { ReceiveOutcome::IdConflict }));
     }
     let holder: Option<String> = tx
         .prepare_cached("SELECT event_id FROM inbox WHERE flow_id = ?1 AND seq = ?2")?
         .query_row(params![event.flow_id, event.seq], |r| r.get(0))
         .optional()?;
-    if let Some(held_by) = holder {
-        return Ok(ReceiveOutcome::SequenceConflict { held_by });
-    }
-    if let Admission::Cap(cap) = admission {
-        let unapplied = unapplied_count(tx)?;
-        if unapplied >= cap && !fills_gap(tx, event)? {
-            return Ok(ReceiveOutcome::BacklogFull { unapplied });
-        }
-    }
-    tx.prepare_cached(
-        "INSERT INTO inbox(event_id, flow_id, seq, kind, schema, body, state, received_at_us)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'pending', ?7)",
-    )?
-    .execute(params![
-        event.event_id,
-        event.flow_id,
-        event.seq,
-        event.kind,
-        event.schema,
-        body,
-        now_us
-    ])?;
-    Ok(ReceiveOutcome::Accepted)
+    Ok(holder.map(|held_by| ReceiveOutcome::SequenceConflict { held_by }))
 }
 
 /// Unapplied (pending + blocked) inbox rows, from the trigger-kept counter.
@@ -327,16 +339,16 @@ pub fn mark_blocked(tx: &Transaction<'_>, event_id: &str, reason: BlockReason) -
 pub enum StepOutcome {
     /// Projection, effect and inbox mark written; the caller commits.
     Applied,
-    /// The projection re-read inside the transaction is not the one the decision was made
+    /// The stored projection is not the one the decision was made
     /// on (another applier won): nothing written, decide again.
     Raced,
 }
 
-/// Inside the caller's `BEGIN IMMEDIATE` transaction, the applied step of SPEC §7: re-reads
-/// the projection (never trusting the caller's copy), and only if it is still `from`
-/// updates it to `after`, inserts the effect and marks `row` applied. Any failure (a
-/// constraint, a trigger) is returned before commit, so the caller's rollback undoes all
-/// three. Crash points `consumer.apply.after_projection` and `.after_effect` sit inside.
+/// Inside the caller's `BEGIN IMMEDIATE` transaction, the applied step of SPEC §7: only if
+/// the stored projection is still `from` (checked by the guarded write itself, never
+/// trusting the caller's copy) updates it to `after`, inserts the effect and marks `row`
+/// applied. Any failure (a constraint, a trigger) is returned before commit, so the caller's
+/// rollback undoes all three. Crash points `consumer.apply.after_projection` and `.after_effect` sit inside.
 pub fn apply_step(
     tx: &Transaction<'_>,
     row: &InboxRecord,
@@ -346,16 +358,43 @@ pub fn apply_step(
     crash: &CrashSwitch,
     now_us: i64,
 ) -> Result<StepOutcome> {
-    if projection(tx, &row.flow_id)? != *from || after.last_seq != row.seq {
+    if after.last_seq != row.seq {
         return Ok(StepOutcome::Raced);
     }
-    tx.prepare_cached(
-        "INSERT INTO projection(flow_id, last_seq, state, held, amount) VALUES (?1, ?2, ?3, ?4, ?5)
-         ON CONFLICT(flow_id) DO UPDATE SET
-             last_seq = excluded.last_seq, state = excluded.state,
-             held = excluded.held, amount = excluded.amount",
-    )?
-    .execute(params![row.flow_id, after.last_seq, after.state.as_str(), after.held, after.amount])?;
+    // The write itself checks that the stored projection is still `from` (no row at all for
+    // a new flow), so nothing is written when another applier moved it.
+    let moved = if *from == Projection::NEW {
+        tx.prepare_cached(
+            "INSERT INTO projection(flow_id, last_seq, state, held, amount) VALUES (?1, ?2, ?3, ?4, ?5)
+             ON CONFLICT(flow_id) DO NOTHING",
+        )?
+        .execute(params![
+            row.flow_id,
+            after.last_seq,
+            after.state.as_str(),
+            after.held,
+            after.amount
+        ])?
+    } else {
+        tx.prepare_cached(
+            "UPDATE projection SET last_seq = ?2, state = ?3, held = ?4, amount = ?5
+             WHERE flow_id = ?1 AND last_seq = ?6 AND state = ?7 AND held = ?8 AND amount = ?9",
+        )?
+        .execute(params![
+            row.flow_id,
+            after.last_seq,
+            after.state.as_str(),
+            after.held,
+            after.amount,
+            from.last_seq,
+            from.state.as_str(),
+            from.held,
+            from.amount
+        ])?
+    };
+    if moved != 1 {
+        return Ok(StepOutcome::Raced);
+    }
     crash.reach(CrashPoint::ConsumerApplyAfterProjection);
     tx.prepare_cached(
         "INSERT INTO effect(event_id, flow_id, seq, kind, held, applied_at_us)

@@ -1,8 +1,13 @@
 //! The producer: commits a flow's state change and its outbox event in ONE SQLite
-//! transaction (`store`), served over gRPC as `ordered_events.v1.Producer` (`service`).
+//! transaction (`store`), group-committing concurrent calls (`writer`), served over gRPC as
+//! `ordered_events.v1.Producer` (`service`).
 
 pub mod request;
 pub mod service;
 pub mod store;
+pub mod writer;
 
-pub use service::{Config, ProducerService, run};
+pub use service::{Config, OpenError, ProducerService, run};
+
+/// Default cap of `Advance` calls per transaction (`--max-batch`).
+pub const DEFAULT_MAX_BATCH: usize = 256;

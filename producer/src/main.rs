@@ -25,6 +25,16 @@ struct Args {
         default_value = "127.0.0.1:50051"
     )]
     listen: SocketAddr,
+    /// The most concurrent Advance calls one transaction (one durable commit) may hold.
+    /// Each call is still answered only after that commit; 1 commits every call alone.
+    #[arg(
+        long,
+        env = "ORDERED_EVENTS_PRODUCER_MAX_BATCH",
+        value_name = "N",
+        default_value_t = producer::DEFAULT_MAX_BATCH,
+        value_parser = proto::group::parse_cap
+    )]
+    max_batch: usize,
     /// Log format on stderr.
     #[arg(long, env = "ORDERED_EVENTS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
@@ -32,7 +42,7 @@ struct Args {
     serve: proto::serve::ServeOptions,
 }
 
-#[tokio::main]
+#[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let args = Args::parse();
     proto::serve::init_tracing(args.log_format);
@@ -48,7 +58,8 @@ async fn main() -> ExitCode {
 
 async fn run(args: Args) -> anyhow::Result<()> {
     let crash = proto::crash::CrashSwitch::from_env()?;
-    let service = producer::ProducerService::open(&producer::Config { db: args.db, crash })?;
+    let service =
+        producer::ProducerService::open(&producer::Config { db: args.db, crash, max_batch: args.max_batch })?;
     let settings = args.serve.load()?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await

@@ -1,38 +1,54 @@
-//! The `ordered_events.v1.Producer` gRPC service: validates, runs `store::advance` in one
-//! `BEGIN IMMEDIATE` transaction on a blocking thread, and maps outcomes to the wire.
+//! The `ordered_events.v1.Producer` gRPC service: validates, hands each `Advance` to the
+//! group-committing writer thread (`writer`: one `BEGIN IMMEDIATE` per batch, a savepoint
+//! per call, answered after the commit), and maps outcomes to the wire.
 
 use std::future::Future;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
 
-use proto::crash::{CrashPoint, CrashSwitch};
+use proto::crash::CrashSwitch;
 use proto::db::{self, OpenMode, storage_status};
 use proto::pb;
 use rusqlite::Connection;
 use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot};
 use tonic::{Request, Response, Status};
 
 use crate::request;
 use crate::store::{self, AdvanceOutcome, AdvanceReply, FlowRecord, OutboxRecord};
+use crate::writer::{self, AdvanceJob};
 
 /// What the producer needs to run (validated flags).
 #[derive(Clone, Debug)]
 pub struct Config {
     pub db: PathBuf,
     pub crash: CrashSwitch,
+    /// The most `Advance` calls one transaction (one durable commit) may hold; 1 commits
+    /// each call alone.
+    pub max_batch: usize,
 }
 
-/// The service state: one connection to producer.db, used on blocking threads only.
+/// Why the producer could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error(transparent)]
+    Db(#[from] db::DbError),
+    #[error("cannot start the writer thread: {0}")]
+    Writer(#[from] std::io::Error),
+}
+
+/// The service state: one connection to producer.db, used on blocking threads only (the
+/// writer thread for `Advance`, `spawn_blocking` for reads).
 #[derive(Clone)]
 pub struct ProducerService {
     conn: Arc<Mutex<Connection>>,
-    crash: CrashSwitch,
+    writer: mpsc::Sender<AdvanceJob>,
 }
 
 impl ProducerService {
-    /// Opens (creating if needed) producer.db and logs the effective settings.
-    pub fn open(config: &Config) -> Result<ProducerService, db::DbError> {
+    /// Opens (creating if needed) producer.db, logs the effective settings and starts the
+    /// writer thread.
+    pub fn open(config: &Config) -> Result<ProducerService, OpenError> {
         let conn = store::open(&config.db, OpenMode::Create)?;
         let eff =
             db::effective(&conn).map_err(|source| db::DbError::Sqlite { path: config.db.clone(), source })?;
@@ -40,9 +56,12 @@ impl ProducerService {
             db = %config.db.display(),
             journal_mode = %eff.journal_mode,
             synchronous = %eff.synchronous,
+            max_batch = config.max_batch,
             "producer database open"
         );
-        Ok(ProducerService { conn: Arc::new(Mutex::new(conn)), crash: config.crash })
+        let conn = Arc::new(Mutex::new(conn));
+        let writer = writer::spawn(Arc::clone(&conn), config.crash, config.max_batch)?;
+        Ok(ProducerService { conn, writer })
     }
 
     /// Runs `f` with the connection on a blocking thread (SQLite never blocks the runtime).
@@ -75,10 +94,6 @@ pub async fn run(
     let svc = tonic::service::interceptor::InterceptedService::new(svc, settings.require_token());
     proto::serve::serve(listener, "ordered_events.v1.Producer", |r| r.add_service(svc), shutdown, settings)
         .await
-}
-
-fn now_us() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as i64).unwrap_or(0)
 }
 
 fn event_pb(row: &OutboxRecord) -> pb::StoredEvent {
@@ -134,19 +149,10 @@ impl pb::producer_server::Producer for ProducerService {
     ) -> Result<Response<pb::AdvanceResponse>, Status> {
         let req = request.into_inner();
         let cmd = request::validate(&req).map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let crash = self.crash;
-        let reply = self
-            .with_conn(move |conn| {
-                let tx = db::begin_immediate(conn).map_err(|e| storage_status("advance", &e))?;
-                let reply = store::advance(&tx, &cmd, &crash, now_us(), None)
-                    .map_err(|e| storage_status("advance", &e))?;
-                if reply.outcome == AdvanceOutcome::Committed {
-                    tx.commit().map_err(|e| storage_status("advance commit", &e))?;
-                    crash.reach(CrashPoint::ProducerAfterCommit);
-                }
-                Ok(reply)
-            })
-            .await?;
+        let (reply, answer) = oneshot::channel();
+        let writer_gone = || Status::unavailable("advance: the writer thread stopped (shutting down?)");
+        self.writer.send(AdvanceJob { cmd, reply }).await.map_err(|_| writer_gone())?;
+        let reply = answer.await.map_err(|_| writer_gone())??;
         if let AdvanceOutcome::OutboxFull { unaccepted } = reply.outcome {
             return Err(outbox_full(unaccepted));
         }

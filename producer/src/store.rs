@@ -152,18 +152,26 @@ pub fn advance(
         }
     }
     let event = cmd.event();
-    tx.execute(
+    tx.prepare_cached(
         "INSERT INTO flow(flow_id, seq, state, amount) VALUES (?1, ?2, ?3, ?4)
          ON CONFLICT(flow_id) DO UPDATE SET seq = excluded.seq, state = excluded.state",
-        params![event.flow_id, event.seq, next.as_str(), cmd.amount],
-    )?;
+    )?
+    .execute(params![event.flow_id, event.seq, next.as_str(), cmd.amount])?;
     crash.reach(CrashPoint::ProducerAfterFlowUpdate);
     let body = event.canonical_body();
-    tx.execute(
+    tx.prepare_cached(
         "INSERT INTO outbox(event_id, flow_id, seq, kind, schema, body, committed_at_us)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-        params![event.event_id, event.flow_id, event.seq, event.kind, event.schema, body, now_us],
-    )?;
+    )?
+    .execute(params![
+        event.event_id,
+        event.flow_id,
+        event.seq,
+        event.kind,
+        event.schema,
+        body,
+        now_us
+    ])?;
     crash.reach(CrashPoint::ProducerAfterOutboxInsert);
     let stored = OutboxRecord {
         event_id: event.event_id,
@@ -187,9 +195,8 @@ pub fn advance(
 /// The flow's committed state; a flow with no row is `new`, seq 0.
 pub fn flow_record(conn: &Connection, flow_id: &str) -> rusqlite::Result<FlowRecord> {
     let row = conn
-        .query_row("SELECT seq, state, amount FROM flow WHERE flow_id = ?1", [flow_id], |r| {
-            Ok((r.get::<_, u64>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?))
-        })
+        .prepare_cached("SELECT seq, state, amount FROM flow WHERE flow_id = ?1")?
+        .query_row([flow_id], |r| Ok((r.get::<_, u64>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?)))
         .optional()?;
     match row {
         None => Ok(FlowRecord::NEW),
@@ -219,12 +226,9 @@ fn outbox_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<OutboxRecord> {
 
 /// The outbox row of `event_id`, accepted or not.
 pub fn outbox_row(conn: &Connection, event_id: &str) -> rusqlite::Result<Option<OutboxRecord>> {
-    conn.query_row(
-        &format!("SELECT {OUTBOX_COLUMNS} FROM outbox WHERE event_id = ?1"),
-        [event_id],
-        outbox_from_row,
-    )
-    .optional()
+    conn.prepare_cached(&format!("SELECT {OUTBOX_COLUMNS} FROM outbox WHERE event_id = ?1"))?
+        .query_row([event_id], outbox_from_row)
+        .optional()
 }
 
 /// The flow's outbox rows in seq order.

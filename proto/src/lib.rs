@@ -7,6 +7,7 @@ pub mod body;
 pub mod crash;
 pub mod db;
 pub mod flow;
+pub mod group;
 pub mod limits;
 pub mod serve;
 

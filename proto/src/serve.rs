@@ -208,7 +208,9 @@ where
     }
     let router = builder.add_service(health).add_service(v1).add_service(v1alpha);
     let router = add(router);
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    // An incoming stream of our own makes tonic ignore its `tcp_nodelay` default: set it
+    // here, or Nagle's algorithm holds small answers back behind delayed ACKs.
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let (stopping_tx, stopping_rx) = tokio::sync::oneshot::channel::<()>();
     let served = router.serve_with_incoming_shutdown(incoming, async move {
         shutdown.await;

@@ -1,6 +1,6 @@
 //! The relay's side of producer.db, through `producer::store` only, on blocking threads:
 //! short reads of unaccepted rows (no read transaction is held between polls) and one
-//! `BEGIN IMMEDIATE` transaction per recorded answer.
+//! `BEGIN IMMEDIATE` transaction per run of recorded answers (group commit of the marks).
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -22,6 +22,13 @@ impl Ledger {
     /// Opens an existing producer.db (the relay never creates one).
     pub fn open(path: &Path, crash: CrashSwitch) -> Result<Ledger, DbError> {
         let conn = store::open(path, OpenMode::Existing)?;
+        let eff = db::effective(&conn).map_err(|source| DbError::Sqlite { path: path.to_owned(), source })?;
+        tracing::info!(
+            db = %path.display(),
+            journal_mode = %eff.journal_mode,
+            synchronous = %eff.synchronous,
+            "producer database open"
+        );
         Ok(Ledger { conn: Arc::new(Mutex::new(conn)), crash })
     }
 
@@ -54,29 +61,41 @@ impl Ledger {
         self.blocking(move |conn, _| store::outbox_row(conn, &event_id)).await
     }
 
-    /// Records the consumer's answer for one row in its own transaction; marks the row
-    /// accepted when `accepted`. Crash points `relay.after_mark` (written, not committed)
-    /// and `relay.after_mark_commit` sit on the marking path only.
-    pub async fn record(
-        &self,
-        event_id: String,
-        outcome: &'static str,
-        accepted: bool,
-    ) -> rusqlite::Result<()> {
+    /// Records the consumer's answers for a run of rows in ONE transaction; marks a row
+    /// accepted when its `accepted` is true. Crash points `relay.after_mark` (written, not
+    /// committed) and `relay.after_mark_commit` sit on the marking path only: a run with no
+    /// accepted answer reaches neither.
+    pub async fn record(&self, answers: Vec<Recorded>) -> rusqlite::Result<()> {
         self.blocking(move |conn, crash| {
             let tx = db::begin_immediate(conn)?;
-            store::record_delivery(&tx, &event_id, outcome, accepted, now_us())?;
-            if accepted {
+            let now = now_us();
+            let mut marked = false;
+            for answer in &answers {
+                store::record_delivery(&tx, &answer.event_id, answer.outcome, answer.accepted, now)?;
+                marked |= answer.accepted;
+            }
+            if marked {
                 crash.reach(CrashPoint::RelayAfterMark);
             }
             tx.commit()?;
-            if accepted {
+            tracing::debug!(answers = answers.len(), "answers recorded");
+            if marked {
                 crash.reach(CrashPoint::RelayAfterMarkCommit);
             }
             Ok(())
         })
         .await
     }
+}
+
+/// One answer to record on its outbox row.
+#[derive(Clone, Debug)]
+pub struct Recorded {
+    pub event_id: String,
+    /// The answer's short word, e.g. `ACCEPTED`.
+    pub outcome: &'static str,
+    /// The consumer durably holds the event (`ACCEPTED` or `DUPLICATE`).
+    pub accepted: bool,
 }
 
 fn now_us() -> i64 {

@@ -14,6 +14,11 @@ use proto::crash::CrashSwitch;
 
 pub use pass::{RelayError, run};
 
+/// Default cap of answers recorded per producer.db transaction (`--mark-batch`).
+pub const DEFAULT_MARK_BATCH: usize = 256;
+/// Default wait of an answer for others to share its mark transaction (`--mark-delay-ms`).
+pub const DEFAULT_MARK_DELAY_MS: u64 = 5;
+
 /// What the relay does in this run.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Mode {
@@ -37,6 +42,11 @@ pub struct Config {
     pub mode: Mode,
     /// Envelopes in flight on the Receive stream before waiting for an answer.
     pub window: usize,
+    /// Answers recorded in one producer.db transaction (those already arrived, up to this).
+    pub mark_batch: usize,
+    /// How long an arrived answer may wait for more to share its transaction (fewer, larger
+    /// mark transactions leave producer.db's write lock to the producer).
+    pub mark_delay: Duration,
     /// `run`: pause between polls when nothing was deliverable.
     pub poll_interval: Duration,
     /// `run`: the cap of the reconnect (and conflicted-flow retry) backoff.

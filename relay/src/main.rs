@@ -33,6 +33,28 @@ struct Args {
     /// Trust this PEM CA certificate for an https:// consumer URL (TLS).
     #[arg(long, env = "ORDERED_EVENTS_TLS_CA", value_name = "FILE", global = true)]
     tls_ca: Option<PathBuf>,
+    /// The most answers recorded (and rows marked accepted) in one producer.db transaction:
+    /// the answers already arrived are recorded together. 1 records each answer alone.
+    #[arg(
+        long,
+        env = "ORDERED_EVENTS_RELAY_MARK_BATCH",
+        value_name = "N",
+        default_value_t = relay::DEFAULT_MARK_BATCH,
+        value_parser = proto::group::parse_cap,
+        global = true
+    )]
+    mark_batch: usize,
+    /// How long, in milliseconds, an arrived answer may wait for more answers to share its
+    /// producer.db transaction (up to --mark-batch). 0 records what has arrived at once.
+    #[arg(
+        long,
+        env = "ORDERED_EVENTS_RELAY_MARK_DELAY_MS",
+        value_name = "MS",
+        default_value_t = relay::DEFAULT_MARK_DELAY_MS,
+        value_parser = clap::value_parser!(u64).range(0..=10_000),
+        global = true
+    )]
+    mark_delay_ms: u64,
     /// Log format on stderr.
     #[arg(long, env = "ORDERED_EVENTS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
     log_format: LogFormat,
@@ -66,7 +88,7 @@ enum ModeArg {
     },
 }
 
-#[tokio::main]
+#[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let args = Args::parse();
     proto::serve::init_tracing(args.log_format);
@@ -111,6 +133,8 @@ async fn main() -> ExitCode {
         consumer_url,
         mode,
         window: args.window as usize,
+        mark_batch: args.mark_batch,
+        mark_delay: Duration::from_millis(args.mark_delay_ms),
         poll_interval,
         max_backoff,
         connect_deadline: Duration::from_secs(10),

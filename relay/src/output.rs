@@ -1,5 +1,6 @@
 //! The relay's stdout: JSON lines only, one per answered envelope and a final summary
-//! (SPEC §11). Logs go to stderr.
+//! (SPEC §11), written out after each recorded run of answers (one write per run, not per
+//! line). Logs go to stderr.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write as _;
@@ -33,6 +34,8 @@ pub struct Report {
     skipped_flows: BTreeSet<String>,
     sent: u64,
     refusals: u64,
+    /// Delivery lines not yet written to stdout.
+    pending: String,
 }
 
 impl Report {
@@ -60,7 +63,17 @@ impl Report {
         if !detail.is_empty() {
             line["detail"] = json!(detail);
         }
-        emit(&line);
+        self.pending.push_str(&line.to_string());
+        self.pending.push('\n');
+    }
+
+    /// Writes the delivery lines gathered since the last flush (call it after each recorded
+    /// run of answers).
+    pub fn flush(&mut self) {
+        if !self.pending.is_empty() {
+            write_out(&self.pending);
+            self.pending.clear();
+        }
     }
 
     /// Notes a flow whose remaining rows were not sent in a pass.
@@ -75,7 +88,8 @@ impl Report {
 
     /// Writes the final `summary` line and returns the exit code: 3 when any answer was a
     /// conflict or rejection, else 0.
-    pub fn finish(&self, mode: &str) -> i32 {
+    pub fn finish(&mut self, mode: &str) -> i32 {
+        self.flush();
         emit(&json!({
             "type": "summary",
             "mode": mode,
@@ -89,8 +103,12 @@ impl Report {
 }
 
 fn emit(line: &serde_json::Value) {
+    write_out(&format!("{line}\n"));
+}
+
+fn write_out(lines: &str) {
     let mut out = std::io::stdout().lock();
     // stdout closed by the reader is not worth dying for; the ledger is what counts.
-    let _ = writeln!(out, "{line}");
+    let _ = out.write_all(lines.as_bytes());
     let _ = out.flush();
 }

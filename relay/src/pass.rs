@@ -1,7 +1,9 @@
 //! Delivery passes over one `Receive` stream: a window of envelopes in flight, answers
-//! matched in order, each answer recorded in producer.db before the next decision. A flow
-//! answered with a conflict or rejection gets no new rows in that pass; rows of it already
-//! in flight are recorded by their own answers; a refused row is never marked.
+//! matched in order, and runs of answers (up to `mark_batch`, or whatever arrived within
+//! `mark_delay` of the oldest) recorded in ONE producer.db transaction; the pass ends only
+//! after every answer is recorded. A flow answered with a conflict or rejection gets no new
+//! rows in that pass from that answer on; rows of it already in flight are recorded by their
+//! own answers; a refused row is never marked.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
@@ -16,7 +18,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 
-use crate::ledger::Ledger;
+use crate::ledger::{Ledger, Recorded};
 use crate::output::{Report, is_accepted, is_refusal, word};
 use crate::{Config, Mode};
 
@@ -63,7 +65,19 @@ impl Session {
     }
 
     async fn answer(&mut self) -> Result<pb::ReceiveResult, RelayError> {
-        match self.answers.message().await {
+        Self::read(self.answers.message().await)
+    }
+
+    /// The next answer if it has already arrived, without waiting (`Streaming::message` is
+    /// cancel-safe: an answer not yet complete stays buffered in the stream).
+    fn answer_now(&mut self) -> Option<Result<pb::ReceiveResult, RelayError>> {
+        futures::FutureExt::now_or_never(self.answers.message()).map(Self::read)
+    }
+
+    fn read(
+        message: Result<Option<pb::ReceiveResult>, tonic::Status>,
+    ) -> Result<pb::ReceiveResult, RelayError> {
+        match message {
             Ok(Some(answer)) => Ok(answer),
             Ok(None) => Err(RelayError::Stream("the consumer ended the stream early".into())),
             Err(status) => Err(RelayError::Stream(status.to_string())),
@@ -87,23 +101,36 @@ struct PassResult {
     refused: Vec<(String, &'static str)>,
 }
 
-/// Sends the rows of `source` (minus the flows in `skip`) with up to `window` in flight,
-/// recording every answer. Stops taking new rows when `stopping` says so.
+/// How many envelopes a pass keeps in flight and how many answers one mark transaction holds.
+#[derive(Clone, Copy, Debug)]
+struct Caps {
+    window: usize,
+    mark_batch: usize,
+    /// How long an arrived answer may wait for others to share its transaction.
+    mark_delay: Duration,
+}
+
+/// Sends the rows of `source` (minus the flows in `skip`) with up to `caps.window` in flight,
+/// recording every answer (runs of up to `caps.mark_batch` answers per transaction). Stops
+/// taking new rows when `stopping` says so.
 async fn pass(
     session: &mut Session,
     ledger: &Ledger,
     mut source: Source,
     skip: &HashSet<String>,
-    window: usize,
+    caps: Caps,
     report: &mut Report,
     stopping: &dyn Fn() -> bool,
 ) -> Result<PassResult, RelayError> {
+    let window = caps.window.max(1);
     let mut result = PassResult::default();
     let mut refused_now: HashSet<String> = HashSet::new();
     let mut in_flight: VecDeque<OutboxRecord> = VecDeque::new();
     let mut page: VecDeque<OutboxRecord> = VecDeque::new();
     let mut cursor = (String::new(), 0u64);
     let mut exhausted = false;
+    // Answers arrived and not yet recorded in producer.db, in stream order.
+    let mut answered: Vec<Answered> = Vec::new();
     loop {
         while in_flight.len() < window && !stopping() {
             if page.is_empty() {
@@ -135,29 +162,111 @@ async fn pass(
             session.send(envelope).await?;
             in_flight.push_back(row);
         }
-        let Some(row) = in_flight.pop_front() else { break };
-        let answer = session.answer().await?;
-        if answer.event_id != row.event_id {
-            return Err(RelayError::Stream(format!(
-                "answer for {:?} arrived where {:?} was expected",
-                answer.event_id, row.event_id
-            )));
+        if in_flight.is_empty() {
+            break;
         }
-        let outcome = pb::ReceiveOutcome::try_from(answer.outcome).unwrap_or(pb::ReceiveOutcome::Unspecified);
-        ledger.record(row.event_id.clone(), word(outcome), is_accepted(outcome)).await?;
-        report.delivery(&row.event_id, &row.flow_id, row.seq, outcome, &answer.detail);
-        result.sent += 1;
-        if is_refusal(outcome) || !is_accepted(outcome) {
-            if refused_now.insert(row.flow_id.clone()) {
-                tracing::warn!(
-                    flow_id = %row.flow_id, event_id = %row.event_id, outcome = word(outcome), detail = %answer.detail,
-                    "flow held back: its row was not accepted; it stays unaccepted for an operator"
-                );
+        // Wait for the next answer, but not past the moment the oldest unrecorded answer has
+        // waited `mark_delay`; then take every answer already arrived.
+        let next = match answered.first() {
+            None => Some(session.answer().await),
+            Some(first) => {
+                let due = first.at + caps.mark_delay;
+                tokio::time::timeout_at(due.into(), session.answer()).await.ok()
             }
-            result.refused.push((row.flow_id.clone(), word(outcome)));
+        };
+        let mut broken = None;
+        if let Some(next) = next {
+            let mut next = Some(next);
+            while let Some(arrived) = next.take() {
+                let answer = match arrived {
+                    Ok(answer) => answer,
+                    Err(e) => {
+                        broken = Some(e);
+                        break;
+                    }
+                };
+                let Some(row) = in_flight.pop_front() else {
+                    broken = Some(RelayError::Stream("an answer arrived for nothing in flight".into()));
+                    break;
+                };
+                if answer.event_id != row.event_id {
+                    broken = Some(RelayError::Stream(format!(
+                        "answer for {:?} arrived where {:?} was expected",
+                        answer.event_id, row.event_id
+                    )));
+                    break;
+                }
+                let outcome =
+                    pb::ReceiveOutcome::try_from(answer.outcome).unwrap_or(pb::ReceiveOutcome::Unspecified);
+                if is_refusal(outcome) || !is_accepted(outcome) {
+                    // Decided on the answer itself: no new row of this flow is sent from now on.
+                    if refused_now.insert(row.flow_id.clone()) {
+                        tracing::warn!(
+                            flow_id = %row.flow_id, event_id = %row.event_id, outcome = word(outcome), detail = %answer.detail,
+                            "flow held back: its row was not accepted; it stays unaccepted for an operator"
+                        );
+                    }
+                    result.refused.push((row.flow_id.clone(), word(outcome)));
+                }
+                answered.push(Answered { row, outcome, detail: answer.detail, at: Instant::now() });
+                if answered.len() < caps.mark_batch.max(1) && !in_flight.is_empty() {
+                    next = session.answer_now();
+                }
+            }
+        }
+        // Record when the cap is reached, when the oldest answer has waited long enough, when
+        // nothing is in flight any more, and before a stream failure ends the pass.
+        let due = answered.first().is_some_and(|first| first.at + caps.mark_delay <= Instant::now());
+        if broken.is_some() || in_flight.is_empty() || answered.len() >= caps.mark_batch.max(1) || due {
+            record(ledger, &mut answered, report, &mut result).await?;
+        }
+        if let Some(e) = broken {
+            return Err(e);
         }
     }
+    record(ledger, &mut answered, report, &mut result).await?;
     Ok(result)
+}
+
+/// An answer waiting to be recorded.
+struct Answered {
+    row: OutboxRecord,
+    outcome: pb::ReceiveOutcome,
+    detail: String,
+    /// When it arrived.
+    at: Instant,
+}
+
+/// Records `answered` in ONE producer.db transaction (marking the accepted rows), then
+/// writes their delivery lines.
+async fn record(
+    ledger: &Ledger,
+    answered: &mut Vec<Answered>,
+    report: &mut Report,
+    result: &mut PassResult,
+) -> Result<(), RelayError> {
+    if answered.is_empty() {
+        return Ok(());
+    }
+    let recorded = answered
+        .iter()
+        .map(|a| Recorded {
+            event_id: a.row.event_id.clone(),
+            outcome: word(a.outcome),
+            accepted: is_accepted(a.outcome),
+        })
+        .collect();
+    ledger.record(recorded).await?;
+    for a in answered.drain(..) {
+        report.delivery(&a.row.event_id, &a.row.flow_id, a.row.seq, a.outcome, &a.detail);
+        result.sent += 1;
+    }
+    report.flush();
+    Ok(())
+}
+
+fn caps(config: &Config) -> Caps {
+    Caps { window: config.window, mark_batch: config.mark_batch, mark_delay: config.mark_delay }
 }
 
 async fn connect(config: &Config, deadline: Duration) -> Result<Channel, RelayError> {
@@ -225,7 +334,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<i
                 let channel = connect(&config, config.connect_deadline).await?;
                 let mut session = Session::open(channel, 1, &config).await?;
                 let source = Source::Rows(VecDeque::from([row]));
-                pass(&mut session, &ledger, source, &HashSet::new(), 1, &mut report, &never).await?;
+                let caps = Caps { window: 1, mark_batch: 1, mark_delay: Duration::ZERO };
+                pass(&mut session, &ledger, source, &HashSet::new(), caps, &mut report, &never).await?;
             }
         }
         Mode::Drain => {
@@ -241,7 +351,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<i
                         &ledger,
                         Source::Unaccepted,
                         &skip,
-                        config.window,
+                        caps(&config),
                         &mut report,
                         &never,
                     )
@@ -268,10 +378,12 @@ async fn run_forever(
 ) -> Result<(), RelayError> {
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopping = move || *stop_rx.borrow();
-    let watcher = async move {
+    // Fused: once the signal came, the watcher stays pending instead of being polled again
+    // after completion by the next `select!` (the loop ends on `stopping()` anyway).
+    let watcher = futures::FutureExt::fuse(async move {
         shutdown.await;
         let _ = stop_tx.send(true);
-    };
+    });
     tokio::pin!(watcher);
     let mut held_back: HashMap<String, (Instant, Duration)> = HashMap::new();
     let mut reconnect_backoff = Duration::from_millis(100);
@@ -315,7 +427,7 @@ async fn run_forever(
             held_back.iter().filter(|(_, (until, _))| *until > now).map(|(flow, _)| flow.clone()).collect();
         let Some(active) = session.as_mut() else { continue };
         let outcome = {
-            let work = pass(active, ledger, Source::Unaccepted, &skip, config.window, report, &stopping);
+            let work = pass(active, ledger, Source::Unaccepted, &skip, caps(config), report, &stopping);
             tokio::pin!(work);
             tokio::select! {
                 r = &mut work => r,

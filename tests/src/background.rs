@@ -39,6 +39,11 @@ impl RelayDaemon {
         RelayDaemon { child: Some(child), stdout, stderr }
     }
 
+    /// The process id while the process is owned (not yet reaped).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// What the relay logged so far.
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.stderr).unwrap_or_default()
@@ -47,11 +52,6 @@ impl RelayDaemon {
     /// True while the process has not exited.
     pub fn is_running(&mut self) -> bool {
         self.child.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)))
-    }
-
-    /// The child's process id (while it is owned).
-    pub fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(Child::id)
     }
 
     /// SIGKILL, now, and reap it; its stdout file keeps every complete line it wrote.

@@ -122,7 +122,8 @@ impl ServerProcess {
         }
     }
 
-    /// The child's process id (while it is owned).
+    /// The process id while the process is owned (not yet reaped), e.g. to read
+    /// `/proc/PID/status`.
     pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(Child::id)
     }

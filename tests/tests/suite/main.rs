@@ -1,6 +1,7 @@
 //! The multi-process test suite: real binaries, real files, one module per topic.
 //! Build the binaries first: `cargo build --release --bins`.
 
+mod auto_apply;
 mod chaos;
 mod cli;
 mod consumer;

@@ -499,14 +499,25 @@ async fn run_op(rig: &mut ConsumerRig, m: &mut model::Consumer, ns: &str, op: &O
             let when = crash_when(point);
             let current = rig.v2;
             rig.restart(current, Some(point)).await;
+            // Group commit: the transaction that reached an after-commit receive point may
+            // also hold envelopes sent after the one that fired, so any longer prefix of the
+            // stream may be committed. Each such state is a candidate; the files decide.
+            let mut candidates: Vec<model::Consumer> = Vec::new();
             let fired = match op.as_ref() {
                 Op::Receive(envs) => {
                     let mut expected = Vec::new();
                     let mut fired = false;
-                    for e in envs {
+                    for (i, e) in envs.iter().enumerate() {
                         let (answer, hit) = m.receive_armed(&e.model(ns), Some(when));
                         if hit {
                             fired = true;
+                            if when == CrashWhen::AfterCommit {
+                                let mut longer = m.clone();
+                                for later in &envs[i + 1..] {
+                                    longer.receive(&later.model(ns));
+                                    candidates.push(longer.clone());
+                                }
+                            }
                             break;
                         }
                         expected.push(answer.word());
@@ -525,6 +536,17 @@ async fn run_op(rig: &mut ConsumerRig, m: &mut model::Consumer, ns: &str, op: &O
                 }
                 Op::Apply { flow, max_steps } => {
                     let flow_id = format!("{ns}{}", FLOWS[*flow]);
+                    // Group commit: the transaction that reached an after-commit apply point may
+                    // also hold the loop's later steps (and the block mark it stopped at), so
+                    // each longer run of the loop is a candidate; the files decide.
+                    if when == CrashWhen::AfterCommit {
+                        let limit = if *max_steps == 0 { 1000 } else { *max_steps };
+                        for k in 1..=limit.min(4) {
+                            let mut longer = m.clone();
+                            longer.apply(&flow_id, k, current, None);
+                            candidates.push(longer);
+                        }
+                    }
                     let expected = m.apply(&flow_id, *max_steps, current, Some(when));
                     let got = rig.client().apply(pb::ApplyRequest { flow_id, max_steps: *max_steps }).await;
                     match (expected, got) {
@@ -539,6 +561,26 @@ async fn run_op(rig: &mut ConsumerRig, m: &mut model::Consumer, ns: &str, op: &O
                 rig.died_at(point)?;
             }
             rig.restart(*v2, None).await;
+            if !candidates.is_empty() {
+                let mut client = rig.client();
+                let mut real = Vec::new();
+                for flow in FLOWS {
+                    real.push(real_flow(&mut client, &format!("{ns}{flow}")).await?);
+                }
+                let matches = |c: &model::Consumer| {
+                    FLOWS.iter().zip(&real).all(|(f, r)| model_flow(c, &format!("{ns}{f}")) == *r)
+                };
+                if !matches(m) {
+                    match candidates.into_iter().find(|c| matches(c)) {
+                        Some(longer) => *m = longer,
+                        None => {
+                            return Err(
+                                "after the crash the files match no committed prefix of the stream".into()
+                            );
+                        }
+                    }
+                }
+            }
         }
     }
     Ok(())

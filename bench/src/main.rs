@@ -1,0 +1,243 @@
+//! `bench`: the throughput benchmark (a command, not a test). It starts the real producer,
+//! consumer (`--auto-apply`) and relay (`run`) on fresh files with `synchronous=FULL`,
+//! drives N flows × 3 steps through `Advance` (closed loop from C clients, or open loop at a
+//! rate), waits until the last event is applied, and reports what the processes' own tables
+//! and `/proc` say, as JSON and as a table. Build first: `cargo build --release --bins`.
+
+mod load;
+mod measure;
+mod pipeline;
+mod report;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use serde_json::{Value, json};
+
+use crate::load::Load;
+use crate::pipeline::{Caps, Pipeline};
+
+/// Measures the pipeline end to end: Advance → committed → relayed → accepted → applied.
+///
+/// Each run gets fresh database files in its own directory and its own three processes.
+/// The main run is closed loop (or open loop with --rate); --half-rate adds an open-loop run
+/// at half the main run's end-to-end rate (latency at that rate); --compare-batch-1 adds the
+/// same pipeline with every batch cap set to 1 and prints the ratio.
+#[derive(Debug, Parser)]
+#[command(name = "bench", version)]
+struct Args {
+    /// Flows to drive, each through its three steps (reserved, confirmed, released).
+    #[arg(long, default_value_t = 10_000)]
+    flows: usize,
+    /// Concurrent Advance callers in a closed-loop run (each waits for its answer).
+    #[arg(long, default_value_t = 64)]
+    clients: usize,
+    /// gRPC connections the callers share.
+    #[arg(long, default_value_t = 2)]
+    connections: usize,
+    /// Open loop for the main run: start flows so that Advance calls arrive at this many per
+    /// second on average, whatever their latency.
+    #[arg(long, value_name = "CALLS_PER_S")]
+    rate: Option<f64>,
+    /// After the main run, an open-loop run at half its end-to-end rate.
+    #[arg(long)]
+    half_rate: bool,
+    /// Also run the pipeline with every batch cap set to 1 (the reference: one event per
+    /// transaction) and report the ratio.
+    #[arg(long)]
+    compare_batch_1: bool,
+    /// Flows of the batch-1 run (default: --flows).
+    #[arg(long)]
+    batch_1_flows: Option<usize>,
+    /// `producer --max-batch` of the grouped runs.
+    #[arg(long, default_value_t = 256)]
+    producer_max_batch: usize,
+    /// `consumer --max-batch` of the grouped runs.
+    #[arg(long, default_value_t = 256)]
+    consumer_max_batch: usize,
+    /// `consumer --apply-batch` of the grouped runs.
+    #[arg(long, default_value_t = 256)]
+    apply_batch: usize,
+    /// `relay --mark-batch` of the grouped runs.
+    #[arg(long, default_value_t = 256)]
+    mark_batch: usize,
+    /// `relay --window` (all runs: it is pipelining, not a transaction cap).
+    #[arg(long, default_value_t = 512)]
+    window: usize,
+    /// `relay run --poll-ms` (all runs).
+    #[arg(long, default_value_t = 2)]
+    poll_ms: u64,
+    /// Directory for each run's files and logs (default: the system temp dir). Use a real
+    /// disk: on tmpfs an fsync costs nothing and the figures mean little.
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// Keep each run's files and logs (their paths are in the report).
+    #[arg(long)]
+    keep: bool,
+    /// Write the JSON report to this file ("-": stdout, and the table goes to stderr).
+    #[arg(long, short)]
+    output: Option<PathBuf>,
+    /// Give up waiting for a run to finish after this many seconds.
+    #[arg(long, default_value_t = 900)]
+    timeout_s: u64,
+}
+
+/// One run to do.
+struct RunSpec {
+    label: &'static str,
+    flows: usize,
+    load: Load,
+    caps: Caps,
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    match bench(args).await {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("bench: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn bench(args: Args) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(args.flows > 0 && args.clients > 0, "--flows and --clients must be at least 1");
+    let base = args.dir.clone().unwrap_or_else(std::env::temp_dir);
+    std::fs::create_dir_all(&base)?;
+    let caps = Caps {
+        producer_max_batch: args.producer_max_batch,
+        consumer_max_batch: args.consumer_max_batch,
+        apply_batch: args.apply_batch,
+        mark_batch: args.mark_batch,
+        window: args.window,
+        poll_ms: args.poll_ms,
+    };
+    let main_load = match args.rate {
+        Some(rate) => Load::Open { calls_per_s: rate },
+        None => Load::Closed { clients: args.clients },
+    };
+    let started = report::machine(&base);
+    let mut runs: Vec<Value> = Vec::new();
+    let main = RunSpec { label: "grouped", flows: args.flows, load: main_load, caps: caps.clone() };
+    let main_result = run_one(&args, &base, &main).await?;
+    let main_e2e = main_result["end_to_end"]["events_per_s"].as_f64().unwrap_or(0.0);
+    runs.push(main_result);
+    if args.half_rate {
+        let half = RunSpec {
+            label: "grouped-half-rate",
+            flows: args.flows,
+            load: Load::Open { calls_per_s: (main_e2e / 2.0).max(1.0) },
+            caps: caps.clone(),
+        };
+        runs.push(run_one(&args, &base, &half).await?);
+    }
+    if args.compare_batch_1 {
+        let one = RunSpec {
+            label: "batch-1",
+            flows: args.batch_1_flows.unwrap_or(args.flows),
+            load: main_load,
+            caps: caps.batch_1(),
+        };
+        runs.push(run_one(&args, &base, &one).await?);
+    }
+    let doc = report::document(started, &args_json(&args), runs);
+    let table = report::table(&doc);
+    match args.output.as_deref() {
+        Some(p) if p.as_os_str() == "-" => {
+            println!("{}", serde_json::to_string_pretty(&doc)?);
+            eprint!("{table}");
+        }
+        Some(p) => {
+            std::fs::write(p, serde_json::to_string_pretty(&doc)? + "\n")?;
+            print!("{table}");
+            println!("JSON report: {}", p.display());
+        }
+        None => print!("{table}"),
+    }
+    let verified =
+        doc["runs"].as_array().is_some_and(|runs| runs.iter().all(|r| r["verified"]["ok"] == true));
+    Ok(if verified { ExitCode::SUCCESS } else { ExitCode::from(3) })
+}
+
+fn args_json(args: &Args) -> Value {
+    json!({
+        "flows": args.flows,
+        "clients": args.clients,
+        "connections": args.connections,
+        "rate": args.rate,
+        "half_rate": args.half_rate,
+        "compare_batch_1": args.compare_batch_1,
+        "batch_1_flows": args.batch_1_flows,
+        "producer_max_batch": args.producer_max_batch,
+        "consumer_max_batch": args.consumer_max_batch,
+        "apply_batch": args.apply_batch,
+        "mark_batch": args.mark_batch,
+        "window": args.window,
+        "poll_ms": args.poll_ms,
+        "dir": args.dir,
+        "keep": args.keep,
+    })
+}
+
+/// Starts a fresh pipeline, drives the load, waits for the last applied event, measures,
+/// stops the processes, and returns the run's JSON.
+async fn run_one(args: &Args, base: &std::path::Path, spec: &RunSpec) -> anyhow::Result<Value> {
+    let dir = tempfile::Builder::new().prefix(&format!("oe-bench-{}-", spec.label)).tempdir_in(base)?;
+    eprintln!(
+        "bench: {}: {} flows × 3 steps, {:?}, caps {:?}, in {}",
+        spec.label,
+        spec.flows,
+        spec.load,
+        spec.caps,
+        dir.path().display()
+    );
+    let pipeline = {
+        let (path, caps) = (dir.path().to_owned(), spec.caps.clone());
+        tokio::task::spawn_blocking(move || Pipeline::start(&path, &caps)).await?
+    };
+    let bench_cpu_before = pipeline::proc_stats("self").cpu_seconds;
+    let load = load::drive(&pipeline.producer.url(), "f", spec.flows, spec.load, args.connections).await?;
+    anyhow::ensure!(
+        load.unexpected.is_empty(),
+        "{}: {} Advance calls were not committed, e.g. {:?}",
+        spec.label,
+        load.unexpected.len(),
+        &load.unexpected[..load.unexpected.len().min(3)]
+    );
+    let events = spec.flows as u64 * 3;
+    let (producer_db, consumer_db) = (pipeline.producer_db(), pipeline.consumer_db());
+    let deadline = Duration::from_secs(args.timeout_s);
+    {
+        let (p, c) = (producer_db.clone(), consumer_db.clone());
+        tokio::task::spawn_blocking(move || measure::wait_until_applied(&p, &c, events, deadline)).await??;
+    }
+    let stopped = tokio::task::spawn_blocking(move || pipeline.stop()).await?;
+    let flows = spec.flows as u64;
+    let (tables, files) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+        let tables = measure::read_tables(&producer_db, &consumer_db, flows)?;
+        let files = json!({
+            "producer.db": measure::journal_mode_in_file(&producer_db)?,
+            "consumer.db": measure::journal_mode_in_file(&consumer_db)?,
+        });
+        Ok((tables, files))
+    })
+    .await??;
+    let kept = if args.keep { Some(dir.keep()) } else { None };
+    Ok(report::run_json(
+        spec.label,
+        spec.flows,
+        &spec.load,
+        &spec.caps,
+        args,
+        load,
+        tables,
+        stopped,
+        files,
+        kept,
+        bench_cpu_before,
+    ))
+}

@@ -1,0 +1,201 @@
+//! Group commit of `Advance`: one writer thread owns producer.db's writes and runs every
+//! call queued at once in ONE `BEGIN IMMEDIATE` transaction, each call in its own
+//! `SAVEPOINT` (a failing call, e.g. a trigger raising, rolls back alone and gets its own
+//! error), and answers every call only after the commit that holds it.
+
+use std::sync::{Arc, Mutex};
+
+use proto::crash::{CrashPoint, CrashSwitch};
+use proto::db::{self, StepFailure, storage_status};
+use rusqlite::Connection;
+use tokio::sync::{mpsc, oneshot};
+use tonic::Status;
+
+use crate::request::AdvanceCommand;
+use crate::store::{self, AdvanceOutcome, AdvanceReply};
+
+/// One queued `Advance` and where its answer goes.
+pub struct AdvanceJob {
+    pub cmd: AdvanceCommand,
+    pub reply: oneshot::Sender<Result<AdvanceReply, Status>>,
+}
+
+/// Starts the writer thread; calls wait (back-pressure) when `4 × max_batch` are queued.
+pub fn spawn(
+    conn: Arc<Mutex<Connection>>,
+    crash: CrashSwitch,
+    max_batch: usize,
+) -> std::io::Result<mpsc::Sender<AdvanceJob>> {
+    proto::group::spawn_writer(
+        "advance-writer",
+        max_batch,
+        queue_len(max_batch),
+        move |jobs: Vec<AdvanceJob>| {
+            let (cmds, replies): (Vec<_>, Vec<_>) = jobs.into_iter().map(|j| (j.cmd, j.reply)).unzip();
+            let started = std::time::Instant::now();
+            let results = {
+                // A panic while holding the lock rolled its transaction back on unwind; the
+                // connection itself is still usable.
+                let mut guard = conn.lock().unwrap_or_else(|p| p.into_inner());
+                advance_batch(&mut guard, &cmds, &crash)
+            };
+            tracing::debug!(calls = cmds.len(), us = started.elapsed().as_micros() as u64, "advance batch");
+            for (reply, result) in replies.into_iter().zip(results) {
+                // The caller may have gone away (deadline, disconnect); its answer is moot.
+                let _ = reply.send(result);
+            }
+        },
+    )
+}
+
+fn queue_len(max_batch: usize) -> usize {
+    max_batch.saturating_mul(4).clamp(64, 1 << 16)
+}
+
+/// SPEC §5 for a batch of calls in ONE `BEGIN IMMEDIATE` transaction: each call in its own
+/// savepoint, in queue order, so a later call sees an earlier one's writes exactly as it
+/// would after that call's own commit. Commits only when some call wrote (`COMMITTED`); a
+/// batch of `EXISTING`/`STALE`/… answers writes nothing and reaches no crash point. If the
+/// commit fails, every call of the batch gets the error (none of them is committed).
+pub fn advance_batch(
+    conn: &mut Connection,
+    cmds: &[AdvanceCommand],
+    crash: &CrashSwitch,
+) -> Vec<Result<AdvanceReply, Status>> {
+    let tx = match db::begin_immediate(conn) {
+        Ok(tx) => tx,
+        Err(e) => return cmds.iter().map(|_| Err(storage_status("advance", &e))).collect(),
+    };
+    let mut results = Vec::with_capacity(cmds.len());
+    let mut committed_any = false;
+    for (i, cmd) in cmds.iter().enumerate() {
+        match db::in_savepoint(&tx, |tx| store::advance(tx, cmd, crash, now_us(), None)) {
+            Ok(reply) => {
+                committed_any |= reply.outcome == AdvanceOutcome::Committed;
+                results.push(Ok(reply));
+            }
+            Err(StepFailure::RolledBack(e)) => results.push(Err(storage_status("advance", &e))),
+            Err(StepFailure::TransactionLost(e)) => {
+                // Nothing of this transaction can commit: every call fails, none is half done.
+                let status = storage_status("advance", &e);
+                results.clear();
+                results.resize_with(cmds.len(), || Err(status.clone()));
+                tracing::warn!(error = %e, lost = i, "advance batch rolled back whole");
+                return results;
+            }
+        }
+    }
+    if !committed_any {
+        // Nothing was written; dropping the transaction releases the lock.
+        return results;
+    }
+    if let Err(e) = tx.commit() {
+        let status = storage_status("advance commit", &e);
+        return cmds.iter().map(|_| Err(status.clone())).collect();
+    }
+    crash.reach(CrashPoint::ProducerAfterCommit);
+    results
+}
+
+fn now_us() -> i64 {
+    use std::time::{SystemTime, UNIX_EPOCH};
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as i64).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::request::validate;
+    use proto::db::OpenMode;
+    use proto::pb;
+
+    fn cmd(flow: &str, event: &str, expected: u64, kind: &str) -> AdvanceCommand {
+        validate(&pb::AdvanceRequest {
+            flow_id: flow.into(),
+            event_id: event.into(),
+            expected_seq: expected,
+            kind: kind.into(),
+            schema: 1,
+            amount: 3,
+        })
+        .unwrap()
+    }
+
+    fn outcome(r: &Result<AdvanceReply, Status>) -> Result<AdvanceOutcome, tonic::Code> {
+        r.as_ref().map(|r| r.outcome.clone()).map_err(|s| s.code())
+    }
+
+    /// One batch gives exactly the answers the same calls would get one transaction each.
+    #[test]
+    fn a_batch_answers_like_sequential_calls() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut conn = store::open(&dir.path().join("p.db"), OpenMode::Create).unwrap();
+        let batch = [
+            cmd("A", "A1", 0, "reserved"),
+            cmd("A", "A1", 0, "reserved"),
+            cmd("A", "X1", 0, "reserved"),
+            cmd("A", "A2", 1, "confirmed"),
+            cmd("B", "A2", 0, "reserved"),
+            cmd("B", "B1", 0, "released"),
+        ];
+        let results = advance_batch(&mut conn, &batch, &CrashSwitch::default());
+        let got: Vec<_> = results.iter().map(outcome).collect();
+        assert!(matches!(got[5], Ok(AdvanceOutcome::InvalidTransition(_))), "{got:?}");
+        assert_eq!(
+            got[..5],
+            [
+                Ok(AdvanceOutcome::Committed),
+                Ok(AdvanceOutcome::Existing),
+                Ok(AdvanceOutcome::Stale),
+                Ok(AdvanceOutcome::Committed),
+                Ok(AdvanceOutcome::Conflict),
+            ]
+        );
+        assert_eq!(store::flow_record(&conn, "A").unwrap().seq, 2);
+        assert_eq!(store::flow_outbox(&conn, "A").unwrap().len(), 2);
+        assert!(store::flow_outbox(&conn, "B").unwrap().is_empty());
+    }
+
+    /// A trigger that rejects one call's outbox insert fails that call alone: its flow update
+    /// rolls back with it, and the other calls of the batch commit.
+    #[test]
+    fn a_failing_call_fails_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut conn = store::open(&dir.path().join("p.db"), OpenMode::Create).unwrap();
+        conn.execute_batch(
+            "CREATE TRIGGER reject_b BEFORE INSERT ON outbox WHEN NEW.flow_id = 'B'
+             BEGIN SELECT RAISE(ABORT, 'outbox insert rejected'); END;",
+        )
+        .unwrap();
+        let batch =
+            [cmd("A", "A1", 0, "reserved"), cmd("B", "B1", 0, "reserved"), cmd("C", "C1", 0, "reserved")];
+        let results = advance_batch(&mut conn, &batch, &CrashSwitch::default());
+        assert_eq!(outcome(&results[0]), Ok(AdvanceOutcome::Committed));
+        let err = results[1].as_ref().unwrap_err();
+        assert_eq!(err.code(), tonic::Code::Internal);
+        assert!(err.message().contains("outbox insert rejected"), "{err:?}");
+        assert_eq!(outcome(&results[2]), Ok(AdvanceOutcome::Committed));
+        assert_eq!(store::flow_record(&conn, "B").unwrap().seq, 0, "flow moved without its outbox row");
+        assert_eq!(store::flow_record(&conn, "C").unwrap().seq, 1);
+    }
+
+    /// A batch with nothing to write leaves the file untouched (no commit at all).
+    #[test]
+    fn a_batch_without_writes_commits_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut conn = store::open(&dir.path().join("p.db"), OpenMode::Create).unwrap();
+        advance_batch(&mut conn, &[cmd("A", "A1", 0, "reserved")], &CrashSwitch::default());
+        let wal = dir.path().join("p.db-wal");
+        let before = std::fs::metadata(&wal).unwrap().len();
+        let results = advance_batch(
+            &mut conn,
+            &[cmd("A", "A1", 0, "reserved"), cmd("A", "Z", 0, "reserved")],
+            &CrashSwitch::default(),
+        );
+        assert_eq!(outcome(&results[0]), Ok(AdvanceOutcome::Existing));
+        assert_eq!(outcome(&results[1]), Ok(AdvanceOutcome::Stale));
+        assert_eq!(std::fs::metadata(&wal).unwrap().len(), before, "a batch without writes wrote the WAL");
+        let other = store::open(&dir.path().join("p.db"), OpenMode::Existing).unwrap();
+        assert_eq!(store::outbox_counts(&other).unwrap(), (1, 1));
+    }
+}
