@@ -46,6 +46,11 @@ struct Args {
         value_parser = proto::group::parse_cap
     )]
     max_batch: usize,
+    /// Backlog cap: while the inbox holds this many unapplied (pending + blocked) rows, a new
+    /// envelope is answered BACKLOG_FULL and nothing is stored, except the exact next seq of a
+    /// flow already waiting in the inbox, which is always admitted. 0: no cap.
+    #[arg(long, env = "ORDERED_EVENTS_MAX_PENDING", value_name = "N", default_value_t = 1_000_000)]
+    max_pending: u64,
     /// The most applied steps (of one or many flows) one Apply transaction may hold; each
     /// step is still projection + effect + inbox mark together. 1 commits every step alone.
     #[arg(
@@ -95,6 +100,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
         support_v2: args.support_v2,
         crash,
         max_batch: args.max_batch,
+        admission: match args.max_pending {
+            0 => consumer::store::Admission::Unlimited,
+            cap => consumer::store::Admission::Cap(cap),
+        },
         apply_batch: args.apply_batch,
         auto_apply: args.auto_apply,
     };

@@ -56,6 +56,8 @@ pub struct WriterOptions {
     /// Apply the flows each committed batch touched.
     pub auto_apply: bool,
     pub apply: ApplyOptions,
+    /// The backlog cap (`--max-pending`).
+    pub admission: store::Admission,
 }
 
 /// Starts the writer thread. In auto-apply mode it first applies whatever earlier runs left
@@ -70,7 +72,7 @@ pub fn spawn(conn: Arc<Mutex<Connection>>, opts: WriterOptions) -> std::io::Resu
     }
     proto::group::spawn_writer("receive-writer", opts.max_batch, queue, move |jobs: Vec<ReceiveJob>| {
         let started = std::time::Instant::now();
-        let results = receive_batch(&mut apply::lock(&conn), &jobs, &opts.apply.crash);
+        let results = receive_batch(&mut apply::lock(&conn), &jobs, &opts.apply.crash, opts.admission);
         let committed = started.elapsed();
         let batch_len = jobs.len();
         let mut touched = BTreeSet::new();
@@ -135,6 +137,7 @@ pub fn receive_batch(
     conn: &mut Connection,
     jobs: &[ReceiveJob],
     crash: &CrashSwitch,
+    admission: store::Admission,
 ) -> Vec<Result<ReceiveOutcome, Status>> {
     let fail_all = |status: Status| -> Vec<Result<ReceiveOutcome, Status>> {
         jobs.iter()
@@ -156,9 +159,7 @@ pub fn receive_batch(
             continue;
         }
         let now = crate::now_us();
-        match db::in_savepoint(&tx, |tx| {
-            store::insert_pending(tx, &job.event, now, store::Admission::Unlimited)
-        }) {
+        match db::in_savepoint(&tx, |tx| store::insert_pending(tx, &job.event, now, admission)) {
             Ok(outcome) => {
                 if outcome == ReceiveOutcome::Accepted {
                     inserted = true;
@@ -238,7 +239,7 @@ mod tests {
             (event("X", "A", 1, 3), &s),
             (event("B1", "B", 1, 3), &s),
         ]);
-        let results = receive_batch(&mut conn, &batch, &CrashSwitch::default());
+        let results = receive_batch(&mut conn, &batch, &CrashSwitch::default(), store::Admission::Unlimited);
         assert_eq!(
             words(&results),
             ["Accepted", "Duplicate", "IdConflict", "SequenceConflict { held_by: \"A1\" }", "Accepted"]
@@ -266,7 +267,7 @@ mod tests {
             (event("C1", "C", 1, 3), &one),
             (event("D1", "D", 1, 3), &two),
         ]);
-        let results = receive_batch(&mut conn, &batch, &CrashSwitch::default());
+        let results = receive_batch(&mut conn, &batch, &CrashSwitch::default(), store::Admission::Unlimited);
         assert_eq!(words(&results), ["Accepted", "Internal", "Aborted", "Accepted"]);
         assert!(results[1].as_ref().unwrap_err().message().contains("inbox insert rejected"));
         assert!(one.failed() && !two.failed());

@@ -35,6 +35,8 @@ pub struct Config {
     pub apply_batch: usize,
     /// Apply the flows of every committed Receive batch without waiting for an Apply call.
     pub auto_apply: bool,
+    /// The backlog cap on unapplied inbox rows.
+    pub admission: store::Admission,
 }
 
 /// Why the consumer could not start.
@@ -101,7 +103,12 @@ impl ConsumerService {
         };
         let writer = receive::spawn(
             Arc::clone(&conn),
-            WriterOptions { max_batch: config.max_batch, auto_apply: config.auto_apply, apply: opts },
+            WriterOptions {
+                max_batch: config.max_batch,
+                auto_apply: config.auto_apply,
+                apply: opts,
+                admission: config.admission,
+            },
         )?;
         Ok(ConsumerService { conn, opts, writer, stopping: Arc::new(watch::channel(false).0) })
     }

@@ -35,6 +35,10 @@ struct Args {
         value_parser = proto::group::parse_cap
     )]
     max_batch: usize,
+    /// Refuse new Advance steps with RESOURCE_EXHAUSTED while this many committed events wait
+    /// for the relay (retries, conflicts and stale calls are still answered). 0: no cap.
+    #[arg(long, env = "ORDERED_EVENTS_MAX_UNACCEPTED", value_name = "N", default_value_t = 1_000_000)]
+    max_unaccepted: u64,
     /// Log format on stderr.
     #[arg(long, env = "ORDERED_EVENTS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
@@ -58,8 +62,12 @@ async fn main() -> ExitCode {
 
 async fn run(args: Args) -> anyhow::Result<()> {
     let crash = proto::crash::CrashSwitch::from_env()?;
-    let service =
-        producer::ProducerService::open(&producer::Config { db: args.db, crash, max_batch: args.max_batch })?;
+    let service = producer::ProducerService::open(&producer::Config {
+        db: args.db,
+        crash,
+        max_batch: args.max_batch,
+        max_unaccepted: (args.max_unaccepted > 0).then_some(args.max_unaccepted),
+    })?;
     let settings = args.serve.load()?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await

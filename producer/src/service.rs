@@ -26,6 +26,8 @@ pub struct Config {
     /// The most `Advance` calls one transaction (one durable commit) may hold; 1 commits
     /// each call alone.
     pub max_batch: usize,
+    /// Refuse new steps (RESOURCE_EXHAUSTED) while this many outbox rows wait for the relay.
+    pub max_unaccepted: Option<u64>,
 }
 
 /// Why the producer could not start.
@@ -60,7 +62,7 @@ impl ProducerService {
             "producer database open"
         );
         let conn = Arc::new(Mutex::new(conn));
-        let writer = writer::spawn(Arc::clone(&conn), config.crash, config.max_batch)?;
+        let writer = writer::spawn(Arc::clone(&conn), config.crash, config.max_batch, config.max_unaccepted)?;
         Ok(ProducerService { conn, writer })
     }
 

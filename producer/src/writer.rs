@@ -25,6 +25,7 @@ pub fn spawn(
     conn: Arc<Mutex<Connection>>,
     crash: CrashSwitch,
     max_batch: usize,
+    max_unaccepted: Option<u64>,
 ) -> std::io::Result<mpsc::Sender<AdvanceJob>> {
     proto::group::spawn_writer(
         "advance-writer",
@@ -37,7 +38,7 @@ pub fn spawn(
                 // A panic while holding the lock rolled its transaction back on unwind; the
                 // connection itself is still usable.
                 let mut guard = conn.lock().unwrap_or_else(|p| p.into_inner());
-                advance_batch(&mut guard, &cmds, &crash)
+                advance_batch(&mut guard, &cmds, &crash, max_unaccepted)
             };
             tracing::debug!(calls = cmds.len(), us = started.elapsed().as_micros() as u64, "advance batch");
             for (reply, result) in replies.into_iter().zip(results) {
@@ -61,6 +62,7 @@ pub fn advance_batch(
     conn: &mut Connection,
     cmds: &[AdvanceCommand],
     crash: &CrashSwitch,
+    max_unaccepted: Option<u64>,
 ) -> Vec<Result<AdvanceReply, Status>> {
     let tx = match db::begin_immediate(conn) {
         Ok(tx) => tx,
@@ -69,7 +71,7 @@ pub fn advance_batch(
     let mut results = Vec::with_capacity(cmds.len());
     let mut committed_any = false;
     for (i, cmd) in cmds.iter().enumerate() {
-        match db::in_savepoint(&tx, |tx| store::advance(tx, cmd, crash, now_us(), None)) {
+        match db::in_savepoint(&tx, |tx| store::advance(tx, cmd, crash, now_us(), max_unaccepted)) {
             Ok(reply) => {
                 committed_any |= reply.outcome == AdvanceOutcome::Committed;
                 results.push(Ok(reply));
@@ -138,7 +140,7 @@ mod tests {
             cmd("B", "A2", 0, "reserved"),
             cmd("B", "B1", 0, "released"),
         ];
-        let results = advance_batch(&mut conn, &batch, &CrashSwitch::default());
+        let results = advance_batch(&mut conn, &batch, &CrashSwitch::default(), None);
         let got: Vec<_> = results.iter().map(outcome).collect();
         assert!(matches!(got[5], Ok(AdvanceOutcome::InvalidTransition(_))), "{got:?}");
         assert_eq!(
@@ -169,7 +171,7 @@ mod tests {
         .unwrap();
         let batch =
             [cmd("A", "A1", 0, "reserved"), cmd("B", "B1", 0, "reserved"), cmd("C", "C1", 0, "reserved")];
-        let results = advance_batch(&mut conn, &batch, &CrashSwitch::default());
+        let results = advance_batch(&mut conn, &batch, &CrashSwitch::default(), None);
         assert_eq!(outcome(&results[0]), Ok(AdvanceOutcome::Committed));
         let err = results[1].as_ref().unwrap_err();
         assert_eq!(err.code(), tonic::Code::Internal);
@@ -184,13 +186,14 @@ mod tests {
     fn a_batch_without_writes_commits_nothing() {
         let dir = tempfile::tempdir().unwrap();
         let mut conn = store::open(&dir.path().join("p.db"), OpenMode::Create).unwrap();
-        advance_batch(&mut conn, &[cmd("A", "A1", 0, "reserved")], &CrashSwitch::default());
+        advance_batch(&mut conn, &[cmd("A", "A1", 0, "reserved")], &CrashSwitch::default(), None);
         let wal = dir.path().join("p.db-wal");
         let before = std::fs::metadata(&wal).unwrap().len();
         let results = advance_batch(
             &mut conn,
             &[cmd("A", "A1", 0, "reserved"), cmd("A", "Z", 0, "reserved")],
             &CrashSwitch::default(),
+            None,
         );
         assert_eq!(outcome(&results[0]), Ok(AdvanceOutcome::Existing));
         assert_eq!(outcome(&results[1]), Ok(AdvanceOutcome::Stale));

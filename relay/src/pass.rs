@@ -24,6 +24,10 @@ use crate::{Config, Mode};
 
 /// Rows read from producer.db per query.
 const PAGE: usize = 256;
+/// First pause before rows deferred by a full consumer backlog are offered again, and the
+/// cap of that pause in `drain`.
+const BACKLOG_RETRY: Duration = Duration::from_millis(50);
+const BACKLOG_RETRY_CAP: Duration = Duration::from_secs(2);
 /// `run`: first pause before a refused flow's row is offered again, and its cap.
 const REFUSED_RETRY: Duration = Duration::from_millis(500);
 const REFUSED_RETRY_CAP: Duration = Duration::from_secs(60);
@@ -39,6 +43,10 @@ pub enum RelayError {
     Unreachable { url: String, reason: String },
     #[error("consumer stream failed: {0}")]
     Stream(String),
+    #[error(
+        "consumer backlog full: {rows} rows still deferred after retrying without progress; apply, then run the relay again"
+    )]
+    BacklogFull { rows: usize },
     #[error("no outbox row has event_id {0:?}")]
     UnknownEvent(String),
 }
@@ -99,6 +107,10 @@ struct PassResult {
     sent: u64,
     /// Flows whose row was refused in this pass, with the refused row's answer.
     refused: Vec<(String, &'static str)>,
+    /// Flows whose row met a full consumer backlog: not refused, only later.
+    deferred: Vec<String>,
+    /// Answers that mean the consumer holds the event (`ACCEPTED`, `DUPLICATE`).
+    accepted: u64,
 }
 
 /// How many envelopes a pass keeps in flight and how many answers one mark transaction holds.
@@ -198,7 +210,14 @@ async fn pass(
                 }
                 let outcome =
                     pb::ReceiveOutcome::try_from(answer.outcome).unwrap_or(pb::ReceiveOutcome::Unspecified);
-                if is_refusal(outcome) || !is_accepted(outcome) {
+                if outcome == pb::ReceiveOutcome::BacklogFull {
+                    // Not a refusal: the consumer asks for this flow again later. Its later rows
+                    // wait too, so they cannot overtake it in this pass.
+                    if refused_now.insert(row.flow_id.clone()) {
+                        tracing::debug!(flow_id = %row.flow_id, event_id = %row.event_id, "consumer backlog full; flow deferred");
+                    }
+                    result.deferred.push(row.flow_id.clone());
+                } else if is_refusal(outcome) || !is_accepted(outcome) {
                     // Decided on the answer itself: no new row of this flow is sent from now on.
                     if refused_now.insert(row.flow_id.clone()) {
                         tracing::warn!(
@@ -208,6 +227,7 @@ async fn pass(
                     }
                     result.refused.push((row.flow_id.clone(), word(outcome)));
                 }
+                result.accepted += u64::from(is_accepted(outcome));
                 answered.push(Answered { row, outcome, detail: answer.detail, at: Instant::now() });
                 if answered.len() < caps.mark_batch.max(1) && !in_flight.is_empty() {
                     next = session.answer_now();
@@ -343,8 +363,11 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<i
                 let channel = connect(&config, config.connect_deadline).await?;
                 let mut session = Session::open(channel, config.window, &config).await?;
                 let mut skip = HashSet::new();
+                let mut backoff = BACKLOG_RETRY;
+                let mut stalled_since: Option<Instant> = None;
                 // Repeat until a pass sends nothing: rows committed behind the cursor during
-                // a pass are found by the next one.
+                // a pass are found by the next one. Rows deferred by a full consumer backlog are
+                // offered again after a backoff while the consumer makes progress.
                 loop {
                     let result = pass(
                         &mut session,
@@ -357,6 +380,19 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<i
                     )
                     .await?;
                     skip.extend(result.refused.into_iter().map(|(flow, _)| flow));
+                    if !result.deferred.is_empty() {
+                        if result.accepted > 0 {
+                            stalled_since = None;
+                            backoff = BACKLOG_RETRY;
+                        }
+                        let since = *stalled_since.get_or_insert_with(Instant::now);
+                        if since.elapsed() >= config.connect_deadline {
+                            return Err(RelayError::BacklogFull { rows: result.deferred.len() });
+                        }
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(BACKLOG_RETRY_CAP);
+                        continue;
+                    }
                     if result.sent == 0 {
                         break;
                     }
@@ -441,6 +477,12 @@ async fn run_forever(
                 for (flow, _) in result.refused {
                     let backoff = held_back.get(&flow).map_or(REFUSED_RETRY, |(_, b)| *b);
                     held_back.insert(flow, (Instant::now() + backoff, (backoff * 2).min(REFUSED_RETRY_CAP)));
+                }
+                // A flow deferred by a full backlog is offered again after a shorter backoff,
+                // capped by --max-backoff-ms.
+                for flow in result.deferred {
+                    let backoff = held_back.get(&flow).map_or(BACKLOG_RETRY, |(_, b)| *b);
+                    held_back.insert(flow, (Instant::now() + backoff, (backoff * 2).min(config.max_backoff)));
                 }
                 if result.sent == 0 {
                     tokio::select! {

@@ -2,6 +2,7 @@
 //! Build the binaries first: `cargo build --release --bins`.
 
 mod auto_apply;
+mod backlog;
 mod chaos;
 mod cli;
 mod consumer;
