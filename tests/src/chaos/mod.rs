@@ -55,7 +55,7 @@ pub struct ChaosConfig {
     pub blocks: Option<u64>,
     pub floors: Floors,
     /// Let the consumer apply by itself (`consumer --auto-apply`) instead of the driver's
-    /// applier task. The flag does not exist yet: leave false until it does.
+    /// applier task (an `ApplyAll` loop).
     pub auto_apply: bool,
     /// `relay run` flags.
     pub relay_args: Vec<String>,
@@ -102,7 +102,7 @@ impl ChaosConfig {
                 duplicates: 500,
                 out_of_order: 50,
             },
-            auto_apply: false,
+            auto_apply: true,
             relay_args: ["--max-backoff-ms", "1000", "--poll-ms", "20"].map(String::from).to_vec(),
             max_backlog: 1_500,
             decoy_percent: 15,
