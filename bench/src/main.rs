@@ -63,6 +63,9 @@ struct Args {
     /// `relay --mark-batch` of the grouped runs.
     #[arg(long, default_value_t = 256)]
     mark_batch: usize,
+    /// `relay --mark-delay-ms` of the grouped runs.
+    #[arg(long, default_value_t = 5)]
+    mark_delay_ms: u64,
     /// `relay --window` (all runs: it is pipelining, not a transaction cap).
     #[arg(long, default_value_t = 512)]
     window: usize,
@@ -113,6 +116,7 @@ async fn bench(args: Args) -> anyhow::Result<ExitCode> {
         consumer_max_batch: args.consumer_max_batch,
         apply_batch: args.apply_batch,
         mark_batch: args.mark_batch,
+        mark_delay_ms: args.mark_delay_ms,
         window: args.window,
         poll_ms: args.poll_ms,
     };
@@ -176,6 +180,7 @@ fn args_json(args: &Args) -> Value {
         "consumer_max_batch": args.consumer_max_batch,
         "apply_batch": args.apply_batch,
         "mark_batch": args.mark_batch,
+        "mark_delay_ms": args.mark_delay_ms,
         "window": args.window,
         "poll_ms": args.poll_ms,
         "dir": args.dir,

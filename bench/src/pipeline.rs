@@ -20,6 +20,8 @@ pub struct Caps {
     pub apply_batch: usize,
     /// `relay --mark-batch`: answers recorded per producer.db transaction.
     pub mark_batch: usize,
+    /// `relay --mark-delay-ms`: how long an answer may wait for others to share its mark.
+    pub mark_delay_ms: u64,
     /// `relay --window`: envelopes in flight (pipelining, not a transaction cap).
     pub window: usize,
     /// `relay run --poll-ms`: pause when a pass found nothing to send.
@@ -27,10 +29,17 @@ pub struct Caps {
 }
 
 impl Caps {
-    /// The same pipeline with every batch cap set to 1 (the window and the poll interval,
-    /// which are not transaction caps, stay as they are).
+    /// The same pipeline with every batch cap set to 1 and no wait for a mark to fill (the
+    /// window and the poll interval, which are not transaction caps, stay as they are).
     pub fn batch_1(&self) -> Caps {
-        Caps { producer_max_batch: 1, consumer_max_batch: 1, apply_batch: 1, mark_batch: 1, ..self.clone() }
+        Caps {
+            producer_max_batch: 1,
+            consumer_max_batch: 1,
+            apply_batch: 1,
+            mark_batch: 1,
+            mark_delay_ms: 0,
+            ..self.clone()
+        }
     }
 }
 
@@ -145,6 +154,8 @@ impl Pipeline {
                 &caps.window.to_string(),
                 "--mark-batch",
                 &caps.mark_batch.to_string(),
+                "--mark-delay-ms",
+                &caps.mark_delay_ms.to_string(),
             ],
             &[],
         );

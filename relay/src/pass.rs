@@ -179,7 +179,7 @@ async fn pass(
         }
         // Wait for the next answer, but not past the moment the oldest unrecorded answer has
         // waited `mark_delay`; then take every answer already arrived.
-        let next = match answered.first() {
+        let mut next = match answered.first() {
             None => Some(session.answer().await),
             Some(first) => {
                 let due = first.at + caps.mark_delay;
@@ -187,51 +187,48 @@ async fn pass(
             }
         };
         let mut broken = None;
-        if let Some(next) = next {
-            let mut next = Some(next);
-            while let Some(arrived) = next.take() {
-                let answer = match arrived {
-                    Ok(answer) => answer,
-                    Err(e) => {
-                        broken = Some(e);
-                        break;
-                    }
-                };
-                let Some(row) = in_flight.pop_front() else {
-                    broken = Some(RelayError::Stream("an answer arrived for nothing in flight".into()));
-                    break;
-                };
-                if answer.event_id != row.event_id {
-                    broken = Some(RelayError::Stream(format!(
-                        "answer for {:?} arrived where {:?} was expected",
-                        answer.event_id, row.event_id
-                    )));
+        while let Some(arrived) = next.take() {
+            let answer = match arrived {
+                Ok(answer) => answer,
+                Err(e) => {
+                    broken = Some(e);
                     break;
                 }
-                let outcome =
-                    pb::ReceiveOutcome::try_from(answer.outcome).unwrap_or(pb::ReceiveOutcome::Unspecified);
-                if outcome == pb::ReceiveOutcome::BacklogFull {
-                    // Not a refusal: the consumer asks for this flow again later. Its later rows
-                    // wait too, so they cannot overtake it in this pass.
-                    if refused_now.insert(row.flow_id.clone()) {
-                        tracing::debug!(flow_id = %row.flow_id, event_id = %row.event_id, "consumer backlog full; flow deferred");
-                    }
-                    result.deferred.push(row.flow_id.clone());
-                } else if is_refusal(outcome) || !is_accepted(outcome) {
-                    // Decided on the answer itself: no new row of this flow is sent from now on.
-                    if refused_now.insert(row.flow_id.clone()) {
-                        tracing::warn!(
-                            flow_id = %row.flow_id, event_id = %row.event_id, outcome = word(outcome), detail = %answer.detail,
-                            "flow held back: its row was not accepted; it stays unaccepted for an operator"
-                        );
-                    }
-                    result.refused.push((row.flow_id.clone(), word(outcome)));
+            };
+            let Some(row) = in_flight.pop_front() else {
+                broken = Some(RelayError::Stream("an answer arrived for nothing in flight".into()));
+                break;
+            };
+            if answer.event_id != row.event_id {
+                broken = Some(RelayError::Stream(format!(
+                    "answer for {:?} arrived where {:?} was expected",
+                    answer.event_id, row.event_id
+                )));
+                break;
+            }
+            let outcome =
+                pb::ReceiveOutcome::try_from(answer.outcome).unwrap_or(pb::ReceiveOutcome::Unspecified);
+            if outcome == pb::ReceiveOutcome::BacklogFull {
+                // Not a refusal: the consumer asks for this flow again later. Its later rows
+                // wait too, so they cannot overtake it in this pass.
+                if refused_now.insert(row.flow_id.clone()) {
+                    tracing::debug!(flow_id = %row.flow_id, event_id = %row.event_id, "consumer backlog full; flow deferred");
                 }
-                result.accepted += u64::from(is_accepted(outcome));
-                answered.push(Answered { row, outcome, detail: answer.detail, at: Instant::now() });
-                if answered.len() < caps.mark_batch.max(1) && !in_flight.is_empty() {
-                    next = session.answer_now();
+                result.deferred.push(row.flow_id.clone());
+            } else if is_refusal(outcome) || !is_accepted(outcome) {
+                // Decided on the answer itself: no new row of this flow is sent from now on.
+                if refused_now.insert(row.flow_id.clone()) {
+                    tracing::warn!(
+                        flow_id = %row.flow_id, event_id = %row.event_id, outcome = word(outcome), detail = %answer.detail,
+                        "flow held back: its row was not accepted; it stays unaccepted for an operator"
+                    );
                 }
+                result.refused.push((row.flow_id.clone(), word(outcome)));
+            }
+            result.accepted += u64::from(is_accepted(outcome));
+            answered.push(Answered { row, outcome, detail: answer.detail, at: Instant::now() });
+            if answered.len() < caps.mark_batch.max(1) && !in_flight.is_empty() {
+                next = session.answer_now();
             }
         }
         // Record when the cap is reached, when the oldest answer has waited long enough, when

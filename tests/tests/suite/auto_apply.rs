@@ -213,6 +213,7 @@ fn batch_cap_flags_and_their_environment_twins() {
         ("consumer", "ORDERED_EVENTS_AUTO_APPLY"),
         ("producer", "ORDERED_EVENTS_PRODUCER_MAX_BATCH"),
         ("relay", "ORDERED_EVENTS_RELAY_MARK_BATCH"),
+        ("relay", "ORDERED_EVENTS_RELAY_MARK_DELAY_MS"),
     ] {
         let help = run_to_exit(bin, &["--help"], &[], DEADLINE);
         assert!(help.stdout.contains(var), "{bin} --help does not name {var}:\n{}", help.stdout);
