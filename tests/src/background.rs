@@ -28,7 +28,7 @@ impl RelayDaemon {
         let stderr = dir.join(format!("{name}.err"));
         let mut cmd = Command::new(bin_path("relay"));
         cmd.arg("--producer-db").arg(producer_db).arg("--consumer").arg(consumer_url).arg("run").args(extra);
-        cmd.env_remove("ORDERED_EVENTS_CRASH_AT");
+        crate::proc::strip_ours(&mut cmd);
         for (k, v) in env {
             cmd.env(k, v);
         }

@@ -87,9 +87,7 @@ impl ServerProcess {
         let err = std::fs::File::create(&log).map_err(|e| format!("create {}: {e}", log.display()))?;
         let mut cmd = Command::new(bin_path(bin));
         cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(err);
-        for var in ENV_VARS {
-            cmd.env_remove(var);
-        }
+        strip_ours(&mut cmd);
         cmd.env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()));
         for (k, v) in env {
             cmd.env(k, v);
@@ -187,17 +185,15 @@ pub fn wait_with_deadline(child: &mut Child, deadline: Duration) -> Option<ExitS
     }
 }
 
-/// Variables that must not leak from the test's environment into a child.
-const ENV_VARS: [&str; 8] = [
-    "ORDERED_EVENTS_PRODUCER_DB",
-    "ORDERED_EVENTS_PRODUCER_LISTEN",
-    "ORDERED_EVENTS_CONSUMER_DB",
-    "ORDERED_EVENTS_CONSUMER_LISTEN",
-    "ORDERED_EVENTS_SUPPORT_V2",
-    "ORDERED_EVENTS_CONSUMER_URL",
-    "ORDERED_EVENTS_CRASH_AT",
-    "ORDERED_EVENTS_LOG_FORMAT",
-];
+/// Keeps every `ORDERED_EVENTS_*` variable of the test's own environment away from a child,
+/// so only what a test passes explicitly configures it.
+pub fn strip_ours(cmd: &mut Command) {
+    for (name, _) in std::env::vars_os() {
+        if name.to_string_lossy().starts_with("ORDERED_EVENTS_") {
+            cmd.env_remove(name);
+        }
+    }
+}
 
 /// A running producer and a way to call it.
 pub struct Producer {
@@ -345,9 +341,7 @@ pub struct Finished {
 pub fn run_to_exit(bin: &str, args: &[&str], env: &[(&str, &str)], deadline: Duration) -> Finished {
     let mut cmd = Command::new(bin_path(bin));
     cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
-    for var in ENV_VARS {
-        cmd.env_remove(var);
-    }
+    strip_ours(&mut cmd);
     for (k, v) in env {
         cmd.env(k, v);
     }
