@@ -50,14 +50,7 @@ struct Args {
 async fn main() -> ExitCode {
     let args = Args::parse();
     proto::serve::init_tracing(args.log_format);
-    match run(args).await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            // The top-level message already names the file and the cause; the chain would repeat it.
-            eprintln!("producer: error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    proto::serve::exit_code("producer", run(args).await)
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {

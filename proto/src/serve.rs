@@ -35,6 +35,19 @@ pub fn init_tracing(format: LogFormat) {
     }
 }
 
+/// The exit of a process given its `run` result: 0, or one `<name>: error: …` line on stderr
+/// and 1. Only the top-level message is printed: it already names the file and the cause,
+/// and the source chain would repeat it.
+pub fn exit_code<E: std::fmt::Display>(name: &str, result: Result<(), E>) -> std::process::ExitCode {
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{name}: error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 /// Prints the bound address as the process's first (and only) stdout line.
 pub fn announce(addr: SocketAddr) {
     let mut out = std::io::stdout().lock();

@@ -271,26 +271,19 @@ impl ChaosReport {
     }
 }
 
+/// The report of a run that could not get going: nothing observed, the reason recorded.
+fn failed_early(cfg: &ChaosConfig, progress: &Progress, started: Instant, why: String) -> ChaosReport {
+    progress.fail(why);
+    report(cfg, progress, None, Vec::new(), started, 0.0, None, Verdict::default(), Observed::default())
+}
+
 /// Runs the chaos test in `dir` (which receives the files and every process's log).
 pub fn run(cfg: &ChaosConfig, dir: &Path) -> ChaosReport {
     let started = Instant::now();
     let progress = Arc::new(Progress::default());
     let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
         Ok(rt) => rt,
-        Err(e) => {
-            progress.fail(format!("tokio runtime: {e}"));
-            return report(
-                cfg,
-                &progress,
-                None,
-                Vec::new(),
-                started,
-                0.0,
-                None,
-                Verdict::default(),
-                Observed::default(),
-            );
-        }
+        Err(e) => return failed_early(cfg, &progress, started, format!("tokio runtime: {e}")),
     };
     let opts = ProcessOptions {
         auto_apply: cfg.auto_apply,
@@ -299,20 +292,7 @@ pub fn run(cfg: &ChaosConfig, dir: &Path) -> ChaosReport {
     };
     let mut cluster = match Cluster::start(dir, opts) {
         Ok(c) => c,
-        Err(e) => {
-            progress.fail(format!("start-up: {e}"));
-            return report(
-                cfg,
-                &progress,
-                None,
-                Vec::new(),
-                started,
-                0.0,
-                None,
-                Verdict::default(),
-                Observed::default(),
-            );
-        }
+        Err(e) => return failed_early(cfg, &progress, started, format!("start-up: {e}")),
     };
     let files = cluster.files.clone();
 
