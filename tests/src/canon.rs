@@ -65,6 +65,27 @@ pub fn canonical_payload(members: &[(String, Value)]) -> String {
     out
 }
 
+/// The canonical body an `Advance` request would commit: seq is `expected_seq + 1` and the
+/// payload carries the amount under the schema's name.
+pub fn advance_body(
+    event_id: &str,
+    flow_id: &str,
+    expected_seq: u64,
+    kind: &str,
+    schema: u32,
+    amount: i64,
+) -> String {
+    Body {
+        event_id: event_id.to_owned(),
+        flow_id: flow_id.to_owned(),
+        seq: expected_seq + 1,
+        kind: kind.to_owned(),
+        schema,
+        payload: amount_payload(schema, amount),
+    }
+    .canonical()
+}
+
 /// The payload a producer emits for `schema` (1 → `amount`, 2 → `units`).
 pub fn amount_payload(schema: u32, amount: i64) -> Vec<(String, Value)> {
     let name = if schema == 2 { "units" } else { "amount" };

@@ -336,15 +336,14 @@ pub struct AdvanceRequest {
 impl AdvanceRequest {
     /// The body this request would commit.
     pub fn body(&self) -> String {
-        canon::Body {
-            event_id: self.event_id.clone(),
-            flow_id: self.flow_id.clone(),
-            seq: self.expected_seq + 1,
-            kind: self.kind.clone(),
-            schema: self.schema,
-            payload: canon::amount_payload(self.schema, self.amount),
-        }
-        .canonical()
+        canon::advance_body(
+            &self.event_id,
+            &self.flow_id,
+            self.expected_seq,
+            &self.kind,
+            self.schema,
+            self.amount,
+        )
     }
 
     fn malformed(&self) -> bool {
