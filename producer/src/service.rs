@@ -109,17 +109,26 @@ fn event_pb(row: &OutboxRecord) -> pb::StoredEvent {
     }
 }
 
-impl From<&AdvanceOutcome> for pb::AdvanceOutcome {
-    fn from(o: &AdvanceOutcome) -> Self {
-        match o {
+/// An outcome that has no `AdvanceOutcome` on the wire: a full outbox is answered with the
+/// status `RESOURCE_EXHAUSTED` (see [`outbox_full`]), never with a value in the response.
+#[derive(Debug, PartialEq, Eq)]
+pub struct NotAnAnswer {
+    /// Committed events waiting for the relay.
+    pub unaccepted: u64,
+}
+
+impl TryFrom<&AdvanceOutcome> for pb::AdvanceOutcome {
+    type Error = NotAnAnswer;
+
+    fn try_from(o: &AdvanceOutcome) -> Result<Self, NotAnAnswer> {
+        Ok(match o {
             AdvanceOutcome::Committed => pb::AdvanceOutcome::Committed,
             AdvanceOutcome::Existing => pb::AdvanceOutcome::Existing,
             AdvanceOutcome::Conflict => pb::AdvanceOutcome::Conflict,
             AdvanceOutcome::Stale => pb::AdvanceOutcome::Stale,
             AdvanceOutcome::InvalidTransition(_) => pb::AdvanceOutcome::InvalidTransition,
-            // Never sent as an answer: it becomes RESOURCE_EXHAUSTED (see `outbox_full`).
-            AdvanceOutcome::OutboxFull { .. } => pb::AdvanceOutcome::Unspecified,
-        }
+            AdvanceOutcome::OutboxFull { unaccepted } => return Err(NotAnAnswer { unaccepted: *unaccepted }),
+        })
     }
 }
 
@@ -155,12 +164,11 @@ impl pb::producer_server::Producer for ProducerService {
         let writer_gone = || Status::unavailable("advance: the writer thread stopped (shutting down?)");
         self.writer.send(AdvanceJob { cmd, reply }).await.map_err(|_| writer_gone())?;
         let reply = answer.await.map_err(|_| writer_gone())??;
-        if let AdvanceOutcome::OutboxFull { unaccepted } = reply.outcome {
-            return Err(outbox_full(unaccepted));
-        }
+        let outcome = pb::AdvanceOutcome::try_from(&reply.outcome)
+            .map_err(|NotAnAnswer { unaccepted }| outbox_full(unaccepted))?;
         tracing::debug!(flow_id = %req.flow_id, event_id = %req.event_id, outcome = ?reply.outcome, "advance");
         Ok(Response::new(pb::AdvanceResponse {
-            outcome: pb::AdvanceOutcome::from(&reply.outcome) as i32,
+            outcome: outcome as i32,
             seq: reply.flow.seq,
             state: reply.flow.state.as_str().to_owned(),
             event: reply.event.as_ref().map(event_pb),
@@ -204,5 +212,30 @@ impl pb::producer_server::Producer for ProducerService {
                 })
                 .collect(),
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proto::flow::TransitionError;
+
+    #[test]
+    fn each_advance_outcome_has_one_wire_answer_and_a_full_outbox_has_none() {
+        let invalid = AdvanceOutcome::InvalidTransition(TransitionError::AmountChanged { fixed: 3, got: 5 });
+        let table = [
+            (AdvanceOutcome::Committed, pb::AdvanceOutcome::Committed),
+            (AdvanceOutcome::Existing, pb::AdvanceOutcome::Existing),
+            (AdvanceOutcome::Conflict, pb::AdvanceOutcome::Conflict),
+            (AdvanceOutcome::Stale, pb::AdvanceOutcome::Stale),
+            (invalid, pb::AdvanceOutcome::InvalidTransition),
+        ];
+        for (outcome, wire) in &table {
+            assert_eq!(pb::AdvanceOutcome::try_from(outcome), Ok(*wire), "{outcome:?}");
+        }
+        // Never UNSPECIFIED in a response: the handler turns it into RESOURCE_EXHAUSTED.
+        let full = AdvanceOutcome::OutboxFull { unaccepted: 7 };
+        assert_eq!(pb::AdvanceOutcome::try_from(&full), Err(NotAnAnswer { unaccepted: 7 }));
+        assert_eq!(outbox_full(7).code(), tonic::Code::ResourceExhausted);
     }
 }

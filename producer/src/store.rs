@@ -257,15 +257,76 @@ pub fn unaccepted_after(
     stmt.query_map(params![after.0, after.1, limit as i64], outbox_from_row)?.collect()
 }
 
-/// Inside a relay's transaction: counts one delivery attempt of `event_id` with the
-/// consumer's answer (short word, e.g. `ID_CONFLICT`), and when `accepted` (the answer
-/// means the consumer durably holds the event) sets `accepted = 1`. Any other answer
-/// leaves the row unaccepted. Returns false when no such row exists.
+/// The consumer's answer to one delivered envelope, as the outbox records it. Built from the
+/// wire value with [`DeliveryAnswer::from_wire`]; only [`DeliveryAnswer::holds_event`] answers
+/// mark a row accepted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeliveryAnswer {
+    /// Stored durably as pending.
+    Accepted,
+    /// The identical event was already stored.
+    Duplicate,
+    /// The event id is stored with a different body (a human must decide).
+    IdConflict,
+    /// Another event id holds this `(flow_id, seq)` (a human must decide).
+    SequenceConflict,
+    /// The envelope breaks a transport limit.
+    Rejected,
+    /// The consumer's backlog is at its cap: nothing stored, send again later.
+    BacklogFull,
+    /// `RECEIVE_OUTCOME_UNSPECIFIED`: a broken consumer answered without an outcome.
+    Unspecified,
+    /// A number this build does not know (a newer consumer).
+    Unknown(i32),
+}
+
+impl DeliveryAnswer {
+    /// The answer for the wire value of `ReceiveResult.outcome`. Every known value has its own
+    /// variant; anything else is `Unknown`, never silently another answer.
+    pub fn from_wire(outcome: i32) -> DeliveryAnswer {
+        use proto::pb::ReceiveOutcome as W;
+        match W::try_from(outcome) {
+            Ok(W::Accepted) => DeliveryAnswer::Accepted,
+            Ok(W::Duplicate) => DeliveryAnswer::Duplicate,
+            Ok(W::IdConflict) => DeliveryAnswer::IdConflict,
+            Ok(W::SequenceConflict) => DeliveryAnswer::SequenceConflict,
+            Ok(W::Rejected) => DeliveryAnswer::Rejected,
+            Ok(W::BacklogFull) => DeliveryAnswer::BacklogFull,
+            Ok(W::Unspecified) => DeliveryAnswer::Unspecified,
+            Err(_) => DeliveryAnswer::Unknown(outcome),
+        }
+    }
+
+    /// True when the answer means the consumer durably holds the event: the only answers that
+    /// mark an outbox row accepted.
+    pub fn holds_event(self) -> bool {
+        matches!(self, DeliveryAnswer::Accepted | DeliveryAnswer::Duplicate)
+    }
+
+    /// The short word stored in `last_outcome` and printed by the relay, e.g. `ID_CONFLICT`;
+    /// an unknown number keeps its value (`UNKNOWN_17`).
+    pub fn word(self) -> std::borrow::Cow<'static, str> {
+        use std::borrow::Cow::Borrowed;
+        match self {
+            DeliveryAnswer::Accepted => Borrowed("ACCEPTED"),
+            DeliveryAnswer::Duplicate => Borrowed("DUPLICATE"),
+            DeliveryAnswer::IdConflict => Borrowed("ID_CONFLICT"),
+            DeliveryAnswer::SequenceConflict => Borrowed("SEQUENCE_CONFLICT"),
+            DeliveryAnswer::Rejected => Borrowed("REJECTED"),
+            DeliveryAnswer::BacklogFull => Borrowed("BACKLOG_FULL"),
+            DeliveryAnswer::Unspecified => Borrowed("UNSPECIFIED"),
+            DeliveryAnswer::Unknown(n) => std::borrow::Cow::Owned(format!("UNKNOWN_{n}")),
+        }
+    }
+}
+
+/// Inside a relay's transaction: counts one send of `event_id` with the consumer's answer,
+/// and when the answer [holds the event](DeliveryAnswer::holds_event) sets `accepted = 1`.
+/// Any other answer leaves the row unaccepted. Returns false when no such row exists.
 pub fn record_delivery(
     tx: &Transaction<'_>,
     event_id: &str,
-    outcome: &str,
-    accepted: bool,
+    answer: DeliveryAnswer,
     now_us: i64,
 ) -> rusqlite::Result<bool> {
     let mut stmt = tx.prepare_cached(
@@ -274,7 +335,20 @@ pub fn record_delivery(
              accepted = CASE WHEN ?3 THEN 1 ELSE accepted END
          WHERE event_id = ?1",
     )?;
-    Ok(stmt.execute(params![event_id, outcome, accepted, now_us])? == 1)
+    Ok(stmt.execute(params![event_id, answer.word(), answer.holds_event(), now_us])? == 1)
+}
+
+/// The word `last_outcome` gets for a send that was never answered (the stream broke, the
+/// consumer stopped answering, or the relay stopped first).
+pub const NO_ANSWER: &str = "NO_ANSWER";
+
+/// Inside a relay's transaction: counts one send of `event_id` that got no answer. The row
+/// stays unaccepted (it will be sent again); `last_outcome` becomes [`NO_ANSWER`]. Returns
+/// false when no such row exists.
+pub fn record_unanswered_send(tx: &Transaction<'_>, event_id: &str) -> rusqlite::Result<bool> {
+    let mut stmt = tx
+        .prepare_cached("UPDATE outbox SET attempts = attempts + 1, last_outcome = ?2 WHERE event_id = ?1")?;
+    Ok(stmt.execute(params![event_id, NO_ANSWER])? == 1)
 }
 
 /// Unaccepted outbox rows, from the trigger-kept counter.
@@ -360,8 +434,8 @@ mod tests {
         assert_eq!(flow_record(&conn, "A").unwrap().seq, 2);
         // Once the relay marks a row accepted, there is room again.
         let tx = db::begin_immediate(&mut conn).unwrap();
-        record_delivery(&tx, "A1", "ACCEPTED", true, 2).unwrap();
-        record_delivery(&tx, "A1", "DUPLICATE", true, 3).unwrap();
+        record_delivery(&tx, "A1", DeliveryAnswer::Accepted, 2).unwrap();
+        record_delivery(&tx, "A1", DeliveryAnswer::Duplicate, 3).unwrap();
         tx.commit().unwrap();
         assert_eq!(unaccepted_count(&conn).unwrap(), 1);
         assert_eq!(capped(&mut conn, &cmd("A3", 2, "released", 1, 3)), AdvanceOutcome::Committed);
@@ -412,18 +486,57 @@ mod tests {
         let mut conn = open(&dir.path().join("p.db"), OpenMode::Create).unwrap();
         run(&mut conn, &cmd("A1", 0, "reserved", 1, 3));
         let tx = db::begin_immediate(&mut conn).unwrap();
-        assert!(record_delivery(&tx, "A1", "ID_CONFLICT", false, 5).unwrap());
-        assert!(!record_delivery(&tx, "nope", "ACCEPTED", true, 5).unwrap());
+        assert!(record_delivery(&tx, "A1", DeliveryAnswer::IdConflict, 5).unwrap());
+        assert!(!record_delivery(&tx, "nope", DeliveryAnswer::Accepted, 5).unwrap());
         tx.commit().unwrap();
         assert_eq!(unaccepted_after(&conn, ("", 0), 10).unwrap().len(), 1);
         let tx = db::begin_immediate(&mut conn).unwrap();
-        assert!(record_delivery(&tx, "A1", "ACCEPTED", true, 6).unwrap());
-        assert!(record_delivery(&tx, "A1", "DUPLICATE", true, 7).unwrap());
+        assert!(record_delivery(&tx, "A1", DeliveryAnswer::Accepted, 6).unwrap());
+        assert!(record_delivery(&tx, "A1", DeliveryAnswer::Duplicate, 7).unwrap());
         tx.commit().unwrap();
         let row = outbox_row(&conn, "A1").unwrap().unwrap();
         assert!(row.accepted);
         assert_eq!(row.attempts, 3);
         assert_eq!(row.last_outcome.as_deref(), Some("DUPLICATE"));
         assert!(unaccepted_after(&conn, ("", 0), 10).unwrap().is_empty());
+    }
+
+    #[test]
+    fn every_wire_answer_has_its_own_delivery_answer_and_only_two_mark() {
+        use pb::ReceiveOutcome as W;
+        let table = [
+            (W::Accepted, DeliveryAnswer::Accepted, "ACCEPTED", true),
+            (W::Duplicate, DeliveryAnswer::Duplicate, "DUPLICATE", true),
+            (W::IdConflict, DeliveryAnswer::IdConflict, "ID_CONFLICT", false),
+            (W::SequenceConflict, DeliveryAnswer::SequenceConflict, "SEQUENCE_CONFLICT", false),
+            (W::Rejected, DeliveryAnswer::Rejected, "REJECTED", false),
+            (W::BacklogFull, DeliveryAnswer::BacklogFull, "BACKLOG_FULL", false),
+            (W::Unspecified, DeliveryAnswer::Unspecified, "UNSPECIFIED", false),
+        ];
+        for (wire, answer, word, holds) in table {
+            assert_eq!(DeliveryAnswer::from_wire(wire as i32), answer);
+            assert_eq!(answer.word(), word);
+            // The stored word is the wire name without its prefix: no second spelling.
+            assert_eq!(Some(word), wire.as_str_name().strip_prefix("RECEIVE_OUTCOME_"));
+            assert_eq!(answer.holds_event(), holds, "{word}");
+        }
+        assert_eq!(DeliveryAnswer::from_wire(17), DeliveryAnswer::Unknown(17));
+        assert_eq!(DeliveryAnswer::Unknown(17).word(), "UNKNOWN_17");
+        assert!(!DeliveryAnswer::Unknown(17).holds_event());
+    }
+
+    #[test]
+    fn an_unanswered_send_is_counted_and_leaves_the_row_unaccepted() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut conn = open(&dir.path().join("p.db"), OpenMode::Create).unwrap();
+        run(&mut conn, &cmd("A1", 0, "reserved", 1, 3));
+        let tx = db::begin_immediate(&mut conn).unwrap();
+        assert!(record_unanswered_send(&tx, "A1").unwrap());
+        assert!(record_delivery(&tx, "A1", DeliveryAnswer::Unknown(9), 5).unwrap());
+        assert!(!record_unanswered_send(&tx, "nope").unwrap());
+        tx.commit().unwrap();
+        let row = outbox_row(&conn, "A1").unwrap().unwrap();
+        assert!(!row.accepted);
+        assert_eq!((row.attempts, row.last_outcome.as_deref()), (2, Some("UNKNOWN_9")));
     }
 }

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use producer::store::{self, OutboxRecord};
+use producer::store::{self, DeliveryAnswer, OutboxRecord};
 use proto::crash::{CrashPoint, CrashSwitch};
 use proto::db::{self, DbError, OpenMode};
 use rusqlite::Connection;
@@ -61,18 +61,18 @@ impl Ledger {
         self.blocking(move |conn, _| store::outbox_row(conn, &event_id)).await
     }
 
-    /// Records the consumer's answers for a run of rows in ONE transaction; marks a row
-    /// accepted when its `accepted` is true. Crash points `relay.after_mark` (written, not
-    /// committed) and `relay.after_mark_commit` sit on the marking path only: a run with no
-    /// accepted answer reaches neither.
+    /// Records the consumer's answers for a run of rows in ONE transaction (each counts one
+    /// send); marks a row accepted when its answer holds the event. Crash points
+    /// `relay.after_mark` (written, not committed) and `relay.after_mark_commit` sit on the
+    /// marking path only: a run with no accepted answer reaches neither.
     pub async fn record(&self, answers: Vec<Recorded>) -> rusqlite::Result<()> {
         self.blocking(move |conn, crash| {
             let tx = db::begin_immediate(conn)?;
             let now = now_us();
             let mut marked = false;
             for answer in &answers {
-                store::record_delivery(&tx, &answer.event_id, answer.outcome, answer.accepted, now)?;
-                marked |= answer.accepted;
+                store::record_delivery(&tx, &answer.event_id, answer.answer, now)?;
+                marked |= answer.answer.holds_event();
             }
             if marked {
                 crash.reach(CrashPoint::RelayAfterMark);
@@ -86,16 +86,31 @@ impl Ledger {
         })
         .await
     }
+
+    /// Counts one send of each of `event_ids` that got no answer, in ONE transaction: the
+    /// rows stay unaccepted and are sent again.
+    pub async fn record_unanswered(&self, event_ids: Vec<String>) -> rusqlite::Result<()> {
+        if event_ids.is_empty() {
+            return Ok(());
+        }
+        self.blocking(move |conn, _| {
+            let tx = db::begin_immediate(conn)?;
+            for id in &event_ids {
+                store::record_unanswered_send(&tx, id)?;
+            }
+            tx.commit()
+        })
+        .await
+    }
 }
 
 /// One answer to record on its outbox row.
 #[derive(Clone, Debug)]
 pub struct Recorded {
+    /// The row's event id.
     pub event_id: String,
-    /// The answer's short word, e.g. `ACCEPTED`.
-    pub outcome: &'static str,
-    /// The consumer durably holds the event (`ACCEPTED` or `DUPLICATE`).
-    pub accepted: bool,
+    /// The consumer's answer.
+    pub answer: DeliveryAnswer,
 }
 
 fn now_us() -> i64 {

@@ -13,8 +13,10 @@ use proto::serve::LogFormat;
 ///
 /// stdout carries JSON lines only: one {"type":"delivery",...} per answered envelope and a
 /// final {"type":"summary",...}. Exit codes: 0 every answer ACCEPTED/DUPLICATE (or idle);
-/// 3 at least one conflict or rejection; 1 operational error (consumer unreachable, database
-/// unusable); 2 usage; 73 crash point.
+/// 3 at least one row left unaccepted by a conflict or rejection; 4 no refusal, but a row
+/// left unaccepted by an answer the relay does not understand or by a full backlog; 1
+/// operational error (consumer unreachable or stopped answering, database unusable, a signal
+/// ending once/send/drain); 2 usage; 73 crash point.
 #[derive(Debug, Parser)]
 #[command(name = "relay", version)]
 struct Args {
@@ -55,6 +57,29 @@ struct Args {
         global = true
     )]
     mark_delay_ms: u64,
+    /// How long, in milliseconds, the oldest envelope in flight (or the opening of a stream)
+    /// may wait for the consumer's answer; then the consumer counts as stopped: `run` drops
+    /// the stream and reconnects with backoff, the other modes exit 1.
+    #[arg(
+        long,
+        env = "ORDERED_EVENTS_RELAY_ANSWER_TIMEOUT_MS",
+        value_name = "MS",
+        default_value_t = relay::DEFAULT_ANSWER_TIMEOUT_MS,
+        value_parser = clap::value_parser!(u64).range(100..=3_600_000),
+        global = true
+    )]
+    answer_timeout_ms: u64,
+    /// After SIGTERM/SIGINT, how long, in milliseconds, answers to envelopes already in flight
+    /// may still arrive (and be recorded) before the relay exits anyway.
+    #[arg(
+        long,
+        env = "ORDERED_EVENTS_SHUTDOWN_GRACE_MS",
+        value_name = "MS",
+        default_value_t = relay::DEFAULT_SHUTDOWN_GRACE_MS,
+        value_parser = clap::value_parser!(u64).range(0..=600_000),
+        global = true
+    )]
+    shutdown_grace_ms: u64,
     /// Log format on stderr.
     #[arg(long, env = "ORDERED_EVENTS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
     log_format: LogFormat,
@@ -74,16 +99,28 @@ enum ModeArg {
         event_id: String,
     },
     /// Deliver every deliverable unaccepted row; a flow whose row is refused gets no more rows
-    /// in this run. Exits when nothing deliverable is left.
-    Drain,
+    /// in this run. Exits when nothing deliverable is left. Rows deferred by a full consumer
+    /// backlog are offered again with backoff while the backlog makes progress.
+    Drain {
+        /// How long, in milliseconds, a full consumer backlog may make no progress at all
+        /// (nothing accepted, no fewer rows deferred) before drain gives up with exit 1.
+        #[arg(
+            long,
+            env = "ORDERED_EVENTS_RELAY_MAX_STALL_MS",
+            value_name = "MS",
+            default_value_t = relay::DEFAULT_MAX_STALL_MS,
+            value_parser = clap::value_parser!(u64).range(1..=86_400_000)
+        )]
+        max_stall_ms: u64,
+    },
     /// Deliver continuously until SIGTERM/SIGINT, picking up newly committed rows, reconnecting
-    /// with capped exponential backoff while the consumer is unreachable.
+    /// with capped, jittered backoff whenever the stream fails or the consumer stops answering.
     Run {
         /// Pause between polls when nothing was deliverable, in milliseconds.
         #[arg(long, env = "ORDERED_EVENTS_RELAY_POLL_MS", default_value_t = 100)]
         poll_ms: u64,
-        /// Cap of the reconnect backoff, in milliseconds.
-        #[arg(long, env = "ORDERED_EVENTS_RELAY_MAX_BACKOFF_MS", default_value_t = 5000)]
+        /// Cap of the reconnect backoff (and of a deferred flow's retry), in milliseconds.
+        #[arg(long, env = "ORDERED_EVENTS_RELAY_MAX_BACKOFF_MS", default_value_t = 5000, value_parser = clap::value_parser!(u64).range(1..))]
         max_backoff_ms: u64,
     },
 }
@@ -93,60 +130,78 @@ async fn main() -> ExitCode {
     let args = Args::parse();
     proto::serve::init_tracing(args.log_format);
     let shutdown = proto::serve::shutdown_signal();
-    let (Some(producer_db), Some(consumer_url)) = (args.producer_db, args.consumer) else {
-        eprintln!(
-            "relay: error: --producer-db (ORDERED_EVENTS_PRODUCER_DB) and --consumer (ORDERED_EVENTS_CONSUMER_URL) are required"
-        );
-        return ExitCode::from(2);
-    };
-    let crash = match proto::crash::CrashSwitch::from_env() {
-        Ok(crash) => crash,
-        Err(e) => {
-            eprintln!("relay: error: {e}");
-            return ExitCode::from(2);
+    let ended = match config(args) {
+        Ok(config) => {
+            relay::run(config, shutdown).await.map_err(|e| Failure { code: 1, message: e.to_string() })
         }
+        Err(failure) => Err(failure),
     };
-    let (mode, poll_interval, max_backoff) = match args.mode {
-        ModeArg::Once => (relay::Mode::Once, Duration::ZERO, Duration::ZERO),
-        ModeArg::Send { event_id } => (relay::Mode::Send { event_id }, Duration::ZERO, Duration::ZERO),
-        ModeArg::Drain => (relay::Mode::Drain, Duration::ZERO, Duration::ZERO),
-        ModeArg::Run { poll_ms, max_backoff_ms } => {
-            (relay::Mode::Run, Duration::from_millis(poll_ms), Duration::from_millis(max_backoff_ms.max(1)))
+    // The one exit path: a code, or one `relay: error:` line and its code.
+    match ended {
+        Ok(code) => ExitCode::from(code),
+        Err(Failure { code, message }) => {
+            eprintln!("relay: error: {message}");
+            ExitCode::from(code)
         }
+    }
+}
+
+/// Why the relay stops before or instead of finishing: the exit code and its one line.
+struct Failure {
+    code: u8,
+    message: String,
+}
+
+impl Failure {
+    fn usage(message: impl std::fmt::Display) -> Failure {
+        Failure { code: 2, message: message.to_string() }
+    }
+
+    fn operational(message: impl std::fmt::Display) -> Failure {
+        Failure { code: 1, message: message.to_string() }
+    }
+}
+
+/// Validates the flags into the relay's settings.
+fn config(args: Args) -> Result<relay::Config, Failure> {
+    let (Some(producer_db), Some(url)) = (args.producer_db, args.consumer) else {
+        return Err(Failure::usage(
+            "--producer-db (ORDERED_EVENTS_PRODUCER_DB) and --consumer (ORDERED_EVENTS_CONSUMER_URL) are required",
+        ));
     };
-    let token = match args.token_file.as_deref().map(proto::auth::read_token).transpose() {
-        Ok(token) => token,
-        Err(e) => {
-            eprintln!("relay: error: {e}");
-            return ExitCode::FAILURE;
+    let crash = proto::crash::CrashSwitch::from_env().map_err(Failure::usage)?;
+    let mode = match args.mode {
+        ModeArg::Once => relay::Mode::Once,
+        ModeArg::Send { event_id } => relay::Mode::Send { event_id },
+        ModeArg::Drain { max_stall_ms } => {
+            relay::Mode::Drain(relay::DrainSettings { max_stall: Duration::from_millis(max_stall_ms) })
         }
+        ModeArg::Run { poll_ms, max_backoff_ms } => relay::Mode::Run(relay::RunSettings {
+            poll_interval: Duration::from_millis(poll_ms),
+            max_backoff: Duration::from_millis(max_backoff_ms),
+        }),
     };
-    let tls_ca = match args.tls_ca.as_deref().map(std::fs::read).transpose() {
-        Ok(pem) => pem,
-        Err(e) => {
-            eprintln!("relay: error: TLS CA file: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let config = relay::Config {
+    let token =
+        args.token_file.as_deref().map(proto::auth::read_token).transpose().map_err(Failure::operational)?;
+    let tls_ca = args
+        .tls_ca
+        .as_deref()
+        .map(std::fs::read)
+        .transpose()
+        .map_err(|e| Failure::operational(format!("TLS CA file: {e}")))?;
+    Ok(relay::Config {
         producer_db,
-        consumer_url,
+        link: relay::Link {
+            url,
+            token,
+            tls_ca,
+            answer_timeout: Duration::from_millis(args.answer_timeout_ms),
+        },
         mode,
         window: args.window as usize,
         mark_batch: args.mark_batch,
         mark_delay: Duration::from_millis(args.mark_delay_ms),
-        poll_interval,
-        max_backoff,
-        connect_deadline: Duration::from_secs(10),
+        shutdown_grace: Duration::from_millis(args.shutdown_grace_ms),
         crash,
-        token,
-        tls_ca,
-    };
-    match relay::run(config, shutdown).await {
-        Ok(code) => ExitCode::from(code as u8),
-        Err(e) => {
-            eprintln!("relay: error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    })
 }

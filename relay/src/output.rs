@@ -1,64 +1,57 @@
 //! The relay's stdout: JSON lines only, one per answered envelope and a final summary
 //! (SPEC §11), written out after each recorded run of answers (one write per run, not per
-//! line). Logs go to stderr.
+//! line). Logs go to stderr. The report also remembers which answered rows are still left
+//! unaccepted, so the exit code cannot say "delivered" while one is.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write as _;
 
-use proto::pb::ReceiveOutcome;
+use producer::store::DeliveryAnswer;
 use serde_json::json;
 
-/// The short word of an answer, e.g. `ACCEPTED`, `ID_CONFLICT`.
-pub fn word(outcome: ReceiveOutcome) -> &'static str {
-    let name = outcome.as_str_name();
-    name.strip_prefix("RECEIVE_OUTCOME_").unwrap_or(name)
-}
-
-/// True for answers that mean the consumer durably holds the event.
-pub fn is_accepted(outcome: ReceiveOutcome) -> bool {
-    matches!(outcome, ReceiveOutcome::Accepted | ReceiveOutcome::Duplicate)
-}
-
-/// True for answers that need a human (exit code 3).
-pub fn is_refusal(outcome: ReceiveOutcome) -> bool {
-    matches!(
-        outcome,
-        ReceiveOutcome::IdConflict | ReceiveOutcome::SequenceConflict | ReceiveOutcome::Rejected
-    )
-}
+use crate::decision::{self, Disposition};
 
 /// Counts what one run did and writes the lines.
 #[derive(Debug, Default)]
 pub struct Report {
-    counts: BTreeMap<&'static str, u64>,
+    counts: BTreeMap<String, u64>,
     skipped_flows: BTreeSet<String>,
     sent: u64,
-    refusals: u64,
+    /// Rows answered in this run whose last answer left them unaccepted, by event id. A row
+    /// later accepted in the same run leaves this map, so it holds at most the unaccepted
+    /// rows, however long `run` goes on.
+    left_unaccepted: BTreeMap<String, Disposition>,
     /// Delivery lines not yet written to stdout.
     pending: String,
 }
 
 impl Report {
-    /// Writes one `delivery` line and counts it.
+    /// Notes one recorded answer and queues its `delivery` line.
     pub fn delivery(
         &mut self,
         event_id: &str,
         flow_id: &str,
         seq: u64,
-        outcome: ReceiveOutcome,
+        answer: DeliveryAnswer,
         detail: &str,
     ) {
         self.sent += 1;
-        *self.counts.entry(word(outcome)).or_default() += 1;
-        if is_refusal(outcome) {
-            self.refusals += 1;
+        let word = answer.word();
+        *self.counts.entry(word.clone().into_owned()).or_default() += 1;
+        match decision::disposition(answer) {
+            Disposition::Mark => {
+                self.left_unaccepted.remove(event_id);
+            }
+            other => {
+                self.left_unaccepted.insert(event_id.to_owned(), other);
+            }
         }
         let mut line = json!({
             "type": "delivery",
             "event_id": event_id,
             "flow_id": flow_id,
             "seq": seq,
-            "outcome": word(outcome),
+            "outcome": word,
         });
         if !detail.is_empty() {
             line["detail"] = json!(detail);
@@ -86,24 +79,27 @@ impl Report {
         self.sent
     }
 
-    /// Writes the final `summary` line and returns the exit code: 3 when any answer was a
-    /// conflict or rejection, else 0.
-    pub fn finish(&mut self, mode: &str) -> i32 {
-        self.flush();
-        emit(&json!({
+    /// The summary line's value (without writing it) and the exit code.
+    pub fn summary(&self, mode: &str) -> (serde_json::Value, u8) {
+        let summary = json!({
             "type": "summary",
             "mode": mode,
             "sent": self.sent,
             "counts": self.counts,
             "skipped_flows": self.skipped_flows,
+            "left_unaccepted": self.left_unaccepted.len(),
             "idle": self.sent == 0,
-        }));
-        if self.refusals > 0 { 3 } else { 0 }
+        });
+        (summary, decision::exit_code(self.left_unaccepted.values().copied()))
     }
-}
 
-fn emit(line: &serde_json::Value) {
-    write_out(&format!("{line}\n"));
+    /// Writes the final `summary` line and returns the exit code (see [`decision::exit_code`]).
+    pub fn finish(&mut self, mode: &str) -> u8 {
+        self.flush();
+        let (summary, code) = self.summary(mode);
+        write_out(&format!("{summary}\n"));
+        code
+    }
 }
 
 fn write_out(lines: &str) {
@@ -111,4 +107,42 @@ fn write_out(lines: &str) {
     // stdout closed by the reader is not worth dying for; the ledger is what counts.
     let _ = out.write_all(lines.as_bytes());
     let _ = out.flush();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decision::{EXIT_DELIVERED, EXIT_REFUSED, EXIT_UNACCEPTED};
+
+    #[test]
+    fn an_unknown_answer_shows_in_the_summary_and_the_exit_code() {
+        let mut r = Report::default();
+        r.delivery("A1", "A", 1, DeliveryAnswer::Accepted, "");
+        r.delivery("B1", "B", 1, DeliveryAnswer::from_wire(99), "");
+        let (summary, code) = r.summary("drain");
+        assert_eq!(code, EXIT_UNACCEPTED);
+        assert_eq!(summary["left_unaccepted"], 1);
+        assert_eq!(summary["counts"]["UNKNOWN_99"], 1);
+        assert_eq!(summary["counts"]["ACCEPTED"], 1);
+    }
+
+    #[test]
+    fn a_row_deferred_then_accepted_is_delivered() {
+        let mut r = Report::default();
+        r.delivery("A1", "A", 1, DeliveryAnswer::BacklogFull, "backlog full");
+        assert_eq!(r.summary("drain").1, EXIT_UNACCEPTED);
+        r.delivery("A1", "A", 1, DeliveryAnswer::Accepted, "");
+        let (summary, code) = r.summary("drain");
+        assert_eq!((code, summary["left_unaccepted"].as_u64()), (EXIT_DELIVERED, Some(0)));
+        assert_eq!(summary["sent"], 2);
+        r.delivery("B1", "B", 1, DeliveryAnswer::SequenceConflict, "");
+        r.delivery("C1", "C", 1, DeliveryAnswer::Unspecified, "");
+        assert_eq!(r.summary("drain").1, EXIT_REFUSED);
+    }
+
+    #[test]
+    fn nothing_answered_is_idle_and_clean() {
+        let (summary, code) = Report::default().summary("once");
+        assert_eq!((summary["idle"].as_bool(), code), (Some(true), EXIT_DELIVERED));
+    }
 }

@@ -1,150 +1,139 @@
 //! Delivery passes over one `Receive` stream: a window of envelopes in flight, answers
 //! matched in order, and runs of answers (up to `mark_batch`, or whatever arrived within
 //! `mark_delay` of the oldest) recorded in ONE producer.db transaction; the pass ends only
-//! after every answer is recorded. A flow answered with a conflict or rejection gets no new
-//! rows in that pass from that answer on; rows of it already in flight are recorded by their
-//! own answers; a refused row is never marked.
+//! after every answer that came is recorded. A flow whose answer holds it back (see
+//! [`Disposition::holds_flow`]) gets no new rows in that pass; rows of it already in flight
+//! are recorded by their own answers; only an answer that holds the event marks a row.
+//! The oldest envelope in flight must be answered within the answer timeout; after a stop is
+//! asked, no row is sent and answers in flight may arrive for the shutdown grace only. A send
+//! that got no answer is counted on its row, which stays unaccepted.
 
-use std::collections::{HashMap, HashSet, VecDeque};
-use std::future::Future;
+use std::collections::{HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
-use producer::store::OutboxRecord;
-use proto::auth::SendToken;
+use producer::store::{DeliveryAnswer, OutboxRecord};
 use proto::body::Event;
 use proto::pb;
-use proto::pb::consumer_client::ConsumerClient;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 
-use crate::ledger::{Ledger, Recorded};
-use crate::output::{Report, is_accepted, is_refusal, word};
-use crate::{Config, Mode};
+use crate::Config;
+use crate::decision::{Disposition, disposition};
+use crate::error::RelayError;
+use crate::ledger::Ledger;
+use crate::output::Report;
+use crate::record::{Answered, record};
+use crate::session::Session;
+use crate::stop::Stop;
 
 /// Rows read from producer.db per query.
 const PAGE: usize = 256;
-/// First pause before rows deferred by a full consumer backlog are offered again, and the
-/// cap of that pause in `drain`.
-const BACKLOG_RETRY: Duration = Duration::from_millis(50);
-const BACKLOG_RETRY_CAP: Duration = Duration::from_secs(2);
-/// `run`: first pause before a refused flow's row is offered again, and its cap.
-const REFUSED_RETRY: Duration = Duration::from_millis(500);
-const REFUSED_RETRY_CAP: Duration = Duration::from_secs(60);
-
-/// Why a relay run stopped with an operational error (exit code 1).
-#[derive(Debug, thiserror::Error)]
-pub enum RelayError {
-    #[error("{0}")]
-    Db(#[from] proto::db::DbError),
-    #[error("producer database: {0}")]
-    Sqlite(#[from] rusqlite::Error),
-    #[error("consumer unreachable at {url}: {reason}")]
-    Unreachable { url: String, reason: String },
-    #[error("consumer stream failed: {0}")]
-    Stream(String),
-    #[error(
-        "consumer backlog full: {rows} rows still deferred after retrying without progress; apply, then run the relay again"
-    )]
-    BacklogFull { rows: usize },
-    #[error("no outbox row has event_id {0:?}")]
-    UnknownEvent(String),
-}
-
-/// One open `Receive` stream.
-struct Session {
-    outbound: mpsc::Sender<pb::EventEnvelope>,
-    answers: tonic::Streaming<pb::ReceiveResult>,
-}
-
-impl Session {
-    async fn open(channel: Channel, window: usize, config: &Config) -> Result<Session, RelayError> {
-        let (outbound, rx) = mpsc::channel(window.max(1));
-        let answers = ConsumerClient::with_interceptor(channel, SendToken::new(config.token.as_deref()))
-            .receive(ReceiverStream::new(rx))
-            .await
-            .map_err(|s| RelayError::Stream(s.to_string()))?
-            .into_inner();
-        Ok(Session { outbound, answers })
-    }
-
-    async fn send(&self, envelope: pb::EventEnvelope) -> Result<(), RelayError> {
-        self.outbound.send(envelope).await.map_err(|_| RelayError::Stream("the stream closed".into()))
-    }
-
-    async fn answer(&mut self) -> Result<pb::ReceiveResult, RelayError> {
-        Self::read(self.answers.message().await)
-    }
-
-    /// The next answer if it has already arrived, without waiting (`Streaming::message` is
-    /// cancel-safe: an answer not yet complete stays buffered in the stream).
-    fn answer_now(&mut self) -> Option<Result<pb::ReceiveResult, RelayError>> {
-        futures::FutureExt::now_or_never(self.answers.message()).map(Self::read)
-    }
-
-    fn read(
-        message: Result<Option<pb::ReceiveResult>, tonic::Status>,
-    ) -> Result<pb::ReceiveResult, RelayError> {
-        match message {
-            Ok(Some(answer)) => Ok(answer),
-            Ok(None) => Err(RelayError::Stream("the consumer ended the stream early".into())),
-            Err(status) => Err(RelayError::Stream(status.to_string())),
-        }
-    }
-}
 
 /// Where a pass takes its rows from.
-enum Source {
+pub enum Source {
     /// These rows, in this order.
     Rows(VecDeque<OutboxRecord>),
     /// Every unaccepted row, paged in `(flow_id, seq)` order.
     Unaccepted,
 }
 
-/// What one pass did.
-#[derive(Debug, Default)]
-struct PassResult {
-    sent: u64,
-    /// Flows whose row was refused in this pass, with the refused row's answer.
-    refused: Vec<(String, &'static str)>,
-    /// Flows whose row met a full consumer backlog: not refused, only later.
-    deferred: Vec<String>,
-    /// Answers that mean the consumer holds the event (`ACCEPTED`, `DUPLICATE`).
-    accepted: u64,
+/// A row whose answer held its flow back (a refusal or an answer not understood).
+#[derive(Clone, Debug)]
+pub struct HeldBack {
+    /// The row's flow.
+    pub flow_id: String,
+    /// The row.
+    pub event_id: String,
+    /// The answer's word.
+    pub outcome: String,
+    /// The consumer's detail text.
+    pub detail: String,
 }
 
-/// How many envelopes a pass keeps in flight and how many answers one mark transaction holds.
+/// What one pass did.
+#[derive(Debug, Default)]
+pub struct PassResult {
+    /// Answers recorded.
+    pub sent: u64,
+    /// Rows whose answer held their flow back, in answer order.
+    pub held_back: Vec<HeldBack>,
+    /// Flows whose row met a full consumer backlog (one entry per such answer).
+    pub deferred: Vec<String>,
+    /// Answers that mean the consumer holds the event (`ACCEPTED`, `DUPLICATE`).
+    pub accepted: u64,
+    /// Rows sent whose answer did not come within the shutdown grace.
+    pub unanswered: usize,
+}
+
+/// How a pass paces itself.
 #[derive(Clone, Copy, Debug)]
-struct Caps {
-    window: usize,
-    mark_batch: usize,
+pub struct Caps {
+    /// Envelopes in flight at most.
+    pub window: usize,
+    /// Answers per mark transaction at most.
+    pub mark_batch: usize,
     /// How long an arrived answer may wait for others to share its transaction.
-    mark_delay: Duration,
+    pub mark_delay: Duration,
+    /// How long the oldest envelope in flight may wait for its answer.
+    pub answer_timeout: Duration,
+    /// After a stop is asked, how long answers in flight may still arrive.
+    pub shutdown_grace: Duration,
+}
+
+impl Caps {
+    /// The caps `config` asks for.
+    pub fn of(config: &Config) -> Caps {
+        Caps {
+            window: config.window.max(1),
+            mark_batch: config.mark_batch.max(1),
+            mark_delay: config.mark_delay,
+            answer_timeout: config.link.answer_timeout,
+            shutdown_grace: config.shutdown_grace,
+        }
+    }
+
+    /// One envelope at a time, each answer recorded alone (`once`, `send`).
+    pub fn single(config: &Config) -> Caps {
+        Caps { window: 1, mark_batch: 1, mark_delay: Duration::ZERO, ..Caps::of(config) }
+    }
+}
+
+struct InFlight {
+    row: OutboxRecord,
+    sent_at: Instant,
+}
+
+enum Woke {
+    Answer(Result<pb::ReceiveResult, RelayError>),
+    StopAsked,
+    MarkDue,
+    Silent,
+    GraceOver,
 }
 
 /// Sends the rows of `source` (minus the flows in `skip`) with up to `caps.window` in flight,
-/// recording every answer (runs of up to `caps.mark_batch` answers per transaction). Stops
-/// taking new rows when `stopping` says so.
-async fn pass(
+/// recording every answer. Stops taking new rows once `stop` is asked.
+pub async fn pass(
     session: &mut Session,
     ledger: &Ledger,
     mut source: Source,
     skip: &HashSet<String>,
     caps: Caps,
     report: &mut Report,
-    stopping: &dyn Fn() -> bool,
+    stop: &Stop,
 ) -> Result<PassResult, RelayError> {
-    let window = caps.window.max(1);
     let mut result = PassResult::default();
-    let mut refused_now: HashSet<String> = HashSet::new();
-    let mut in_flight: VecDeque<OutboxRecord> = VecDeque::new();
+    let mut held_now: HashSet<String> = HashSet::new();
+    let mut in_flight: VecDeque<InFlight> = VecDeque::new();
     let mut page: VecDeque<OutboxRecord> = VecDeque::new();
     let mut cursor = (String::new(), 0u64);
     let mut exhausted = false;
+    let mut stopped_at: Option<Instant> = None;
     // Answers arrived and not yet recorded in producer.db, in stream order.
     let mut answered: Vec<Answered> = Vec::new();
     loop {
-        while in_flight.len() < window && !stopping() {
+        if stopped_at.is_none() && stop.requested() {
+            stopped_at = Some(Instant::now());
+        }
+        while in_flight.len() < caps.window && stopped_at.is_none() {
             if page.is_empty() {
                 match &mut source {
                     Source::Rows(rows) => page.extend(rows.drain(..)),
@@ -157,7 +146,7 @@ async fn pass(
             }
             let Some(row) = page.pop_front() else { break };
             cursor = (row.flow_id.clone(), row.seq);
-            if skip.contains(&row.flow_id) || refused_now.contains(&row.flow_id) {
+            if skip.contains(&row.flow_id) || held_now.contains(&row.flow_id) {
                 report.skipped(&row.flow_id);
                 continue;
             }
@@ -166,336 +155,118 @@ async fn pass(
                 Err(e) => {
                     // Only a hand-edited file gets here; never send what we cannot read.
                     tracing::error!(event_id = %row.event_id, error = %e, "unreadable outbox body; flow skipped");
-                    refused_now.insert(row.flow_id.clone());
+                    held_now.insert(row.flow_id.clone());
                     report.skipped(&row.flow_id);
                     continue;
                 }
             };
             session.send(envelope).await?;
-            in_flight.push_back(row);
+            in_flight.push_back(InFlight { row, sent_at: Instant::now() });
         }
-        if in_flight.is_empty() {
-            break;
-        }
-        // Wait for the next answer, but not past the moment the oldest unrecorded answer has
-        // waited `mark_delay`; then take every answer already arrived.
-        let mut next = match answered.first() {
-            None => Some(session.answer().await),
-            Some(first) => {
-                let due = first.at + caps.mark_delay;
-                tokio::time::timeout_at(due.into(), session.answer()).await.ok()
-            }
+        let Some(oldest) = in_flight.front() else { break };
+        let silent_at = oldest.sent_at + caps.answer_timeout;
+        let mark_due = answered.first().map(|first| first.at + caps.mark_delay);
+        let grace_over = stopped_at.map(|at| at + caps.shutdown_grace);
+        let woke = tokio::select! {
+            biased;
+            answer = session.answer() => Woke::Answer(answer),
+            () = stop.asked(), if stopped_at.is_none() => Woke::StopAsked,
+            () = sleep_until(mark_due) => Woke::MarkDue,
+            () = tokio::time::sleep_until(silent_at.into()) => Woke::Silent,
+            () = sleep_until(grace_over) => Woke::GraceOver,
         };
         let mut broken = None;
-        while let Some(arrived) = next.take() {
-            let answer = match arrived {
-                Ok(answer) => answer,
-                Err(e) => {
-                    broken = Some(e);
-                    break;
+        let mut grace_spent = false;
+        match woke {
+            Woke::Answer(first) => {
+                let mut next = Some(first);
+                while let Some(arrived) = next.take() {
+                    if let Err(e) = arrived.and_then(|answer| {
+                        take_answer(answer, &mut in_flight, &mut held_now, &mut result, &mut answered)
+                    }) {
+                        broken = Some(e);
+                        break;
+                    }
+                    if answered.len() < caps.mark_batch && !in_flight.is_empty() {
+                        next = session.answer_now();
+                    }
                 }
-            };
-            let Some(row) = in_flight.pop_front() else {
-                broken = Some(RelayError::Stream("an answer arrived for nothing in flight".into()));
-                break;
-            };
-            if answer.event_id != row.event_id {
-                broken = Some(RelayError::Stream(format!(
-                    "answer for {:?} arrived where {:?} was expected",
-                    answer.event_id, row.event_id
-                )));
-                break;
             }
-            let outcome =
-                pb::ReceiveOutcome::try_from(answer.outcome).unwrap_or(pb::ReceiveOutcome::Unspecified);
-            if outcome == pb::ReceiveOutcome::BacklogFull {
-                // Not a refusal: the consumer asks for this flow again later. Its later rows
-                // wait too, so they cannot overtake it in this pass.
-                if refused_now.insert(row.flow_id.clone()) {
-                    tracing::debug!(flow_id = %row.flow_id, event_id = %row.event_id, "consumer backlog full; flow deferred");
-                }
-                result.deferred.push(row.flow_id.clone());
-            } else if is_refusal(outcome) || !is_accepted(outcome) {
-                // Decided on the answer itself: no new row of this flow is sent from now on.
-                if refused_now.insert(row.flow_id.clone()) {
-                    tracing::warn!(
-                        flow_id = %row.flow_id, event_id = %row.event_id, outcome = word(outcome), detail = %answer.detail,
-                        "flow held back: its row was not accepted; it stays unaccepted for an operator"
-                    );
-                }
-                result.refused.push((row.flow_id.clone(), word(outcome)));
+            Woke::StopAsked => {
+                tracing::info!(in_flight = in_flight.len(), grace = ?caps.shutdown_grace, "stop asked: sending nothing more, waiting for the answers in flight");
+                stopped_at = Some(Instant::now());
             }
-            result.accepted += u64::from(is_accepted(outcome));
-            answered.push(Answered { row, outcome, detail: answer.detail, at: Instant::now() });
-            if answered.len() < caps.mark_batch.max(1) && !in_flight.is_empty() {
-                next = session.answer_now();
-            }
+            Woke::MarkDue => {}
+            Woke::Silent => broken = Some(RelayError::Unresponsive(caps.answer_timeout)),
+            Woke::GraceOver => grace_spent = true,
         }
         // Record when the cap is reached, when the oldest answer has waited long enough, when
-        // nothing is in flight any more, and before a stream failure ends the pass.
+        // nothing is in flight any more, and before the pass ends early.
         let due = answered.first().is_some_and(|first| first.at + caps.mark_delay <= Instant::now());
-        if broken.is_some() || in_flight.is_empty() || answered.len() >= caps.mark_batch.max(1) || due {
-            record(ledger, &mut answered, report, &mut result).await?;
+        let ending = broken.is_some() || grace_spent;
+        if ending || in_flight.is_empty() || answered.len() >= caps.mark_batch || due {
+            result.sent += record(ledger, &mut answered, report).await?;
         }
-        if let Some(e) = broken {
-            return Err(e);
+        if ending {
+            let unanswered: Vec<String> = in_flight.drain(..).map(|f| f.row.event_id).collect();
+            result.unanswered = unanswered.len();
+            ledger.record_unanswered(unanswered).await?;
+            return match broken {
+                Some(e) => Err(e),
+                None => {
+                    tracing::warn!(
+                        unanswered = result.unanswered,
+                        "shutdown grace over: rows still in flight stay unaccepted"
+                    );
+                    Ok(result)
+                }
+            };
         }
     }
-    record(ledger, &mut answered, report, &mut result).await?;
+    result.sent += record(ledger, &mut answered, report).await?;
     Ok(result)
 }
 
-/// An answer waiting to be recorded.
-struct Answered {
-    row: OutboxRecord,
-    outcome: pb::ReceiveOutcome,
-    detail: String,
-    /// When it arrived.
-    at: Instant,
-}
-
-/// Records `answered` in ONE producer.db transaction (marking the accepted rows), then
-/// writes their delivery lines.
-async fn record(
-    ledger: &Ledger,
-    answered: &mut Vec<Answered>,
-    report: &mut Report,
+/// Matches one answer to the oldest row in flight and notes what it does to the flow.
+fn take_answer(
+    answer: pb::ReceiveResult,
+    in_flight: &mut VecDeque<InFlight>,
+    held_now: &mut HashSet<String>,
     result: &mut PassResult,
+    answered: &mut Vec<Answered>,
 ) -> Result<(), RelayError> {
-    if answered.is_empty() {
-        return Ok(());
-    }
-    let recorded = answered
-        .iter()
-        .map(|a| Recorded {
-            event_id: a.row.event_id.clone(),
-            outcome: word(a.outcome),
-            accepted: is_accepted(a.outcome),
-        })
-        .collect();
-    ledger.record(recorded).await?;
-    for a in answered.drain(..) {
-        report.delivery(&a.row.event_id, &a.row.flow_id, a.row.seq, a.outcome, &a.detail);
-        result.sent += 1;
-    }
-    report.flush();
-    Ok(())
-}
-
-fn caps(config: &Config) -> Caps {
-    Caps { window: config.window, mark_batch: config.mark_batch, mark_delay: config.mark_delay }
-}
-
-async fn connect(config: &Config, deadline: Duration) -> Result<Channel, RelayError> {
-    let url = config.consumer_url.as_str();
-    let unreachable = |reason: String| RelayError::Unreachable { url: url.to_owned(), reason };
-    let mut endpoint = Endpoint::from_shared(url.to_owned())
-        .map_err(|e| unreachable(format!("invalid URL: {e}")))?
-        .connect_timeout(Duration::from_secs(2));
-    if let Some(ca) = &config.tls_ca {
-        let tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca));
-        endpoint = endpoint
-            .tls_config(tls)
-            .map_err(|e| unreachable(format!("TLS settings: {}", source_chain(&e))))?;
-    }
-    let until = Instant::now() + deadline;
-    let mut backoff = Duration::from_millis(100);
-    loop {
-        match endpoint.connect().await {
-            Ok(channel) => return Ok(channel),
-            Err(e) if Instant::now() + backoff >= until => return Err(unreachable(source_chain(&e))),
-            Err(e) => {
-                tracing::debug!(error = %source_chain(&e), "consumer not reachable yet");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(2));
-            }
-        }
-    }
-}
-
-fn source_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cur = e.source();
-    while let Some(s) = cur {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        cur = s.source();
-    }
-    text
-}
-
-/// Runs the relay in `config.mode` and returns its exit code (0 or 3); operational
-/// failures are errors (exit code 1). `shutdown` ends `run` mode.
-pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<i32, RelayError> {
-    let ledger = Ledger::open(&config.producer_db, config.crash)?;
-    let mut report = Report::default();
-    let never = || false;
-    let mode_name = match &config.mode {
-        Mode::Once => "once",
-        Mode::Send { .. } => "send",
-        Mode::Drain => "drain",
-        Mode::Run => "run",
+    let Some(InFlight { row, .. }) = in_flight.pop_front() else {
+        return Err(RelayError::Stream("an answer arrived for nothing in flight".into()));
     };
-    match &config.mode {
-        Mode::Once | Mode::Send { .. } => {
-            let row = match &config.mode {
-                Mode::Send { event_id } => Some(
-                    ledger
-                        .row(event_id.clone())
-                        .await?
-                        .ok_or_else(|| RelayError::UnknownEvent(event_id.clone()))?,
-                ),
-                _ => ledger.unaccepted_after((String::new(), 0), 1).await?.into_iter().next(),
-            };
-            if let Some(row) = row {
-                let channel = connect(&config, config.connect_deadline).await?;
-                let mut session = Session::open(channel, 1, &config).await?;
-                let source = Source::Rows(VecDeque::from([row]));
-                let caps = Caps { window: 1, mark_batch: 1, mark_delay: Duration::ZERO };
-                pass(&mut session, &ledger, source, &HashSet::new(), caps, &mut report, &never).await?;
-            }
-        }
-        Mode::Drain => {
-            if !ledger.unaccepted_after((String::new(), 0), 1).await?.is_empty() {
-                let channel = connect(&config, config.connect_deadline).await?;
-                let mut session = Session::open(channel, config.window, &config).await?;
-                let mut skip = HashSet::new();
-                let mut backoff = BACKLOG_RETRY;
-                let mut stalled_since: Option<Instant> = None;
-                // Repeat until a pass sends nothing: rows committed behind the cursor during
-                // a pass are found by the next one. Rows deferred by a full consumer backlog are
-                // offered again after a backoff while the consumer makes progress.
-                loop {
-                    let result = pass(
-                        &mut session,
-                        &ledger,
-                        Source::Unaccepted,
-                        &skip,
-                        caps(&config),
-                        &mut report,
-                        &never,
-                    )
-                    .await?;
-                    skip.extend(result.refused.into_iter().map(|(flow, _)| flow));
-                    if !result.deferred.is_empty() {
-                        if result.accepted > 0 {
-                            stalled_since = None;
-                            backoff = BACKLOG_RETRY;
-                        }
-                        let since = *stalled_since.get_or_insert_with(Instant::now);
-                        if since.elapsed() >= config.connect_deadline {
-                            return Err(RelayError::BacklogFull { rows: result.deferred.len() });
-                        }
-                        tokio::time::sleep(backoff).await;
-                        backoff = (backoff * 2).min(BACKLOG_RETRY_CAP);
-                        continue;
-                    }
-                    if result.sent == 0 {
-                        break;
-                    }
-                }
-            }
-        }
-        Mode::Run => run_forever(&config, &ledger, &mut report, shutdown).await?,
+    if answer.event_id != row.event_id {
+        let e = format!("answer for {:?} arrived where {:?} was expected", answer.event_id, row.event_id);
+        // The row was sent; its answer is lost in the mismatch.
+        in_flight.push_front(InFlight { row, sent_at: Instant::now() });
+        return Err(RelayError::Stream(e));
     }
-    Ok(report.finish(mode_name))
+    let delivery = DeliveryAnswer::from_wire(answer.outcome);
+    let d = disposition(delivery);
+    if d.holds_flow() {
+        // Decided on the answer itself: no new row of this flow is sent from now on.
+        held_now.insert(row.flow_id.clone());
+    }
+    match d {
+        Disposition::Mark => result.accepted += 1,
+        Disposition::Defer => result.deferred.push(row.flow_id.clone()),
+        Disposition::Refuse | Disposition::NotUnderstood => result.held_back.push(HeldBack {
+            flow_id: row.flow_id.clone(),
+            event_id: row.event_id.clone(),
+            outcome: delivery.word().into_owned(),
+            detail: answer.detail.clone(),
+        }),
+    }
+    answered.push(Answered { row, answer: delivery, detail: answer.detail, at: Instant::now() });
+    Ok(())
 }
 
-/// `run` mode: passes for ever, reconnecting with capped backoff, retrying refused flows
-/// with their own capped backoff, until `shutdown`; in-flight answers are recorded first.
-async fn run_forever(
-    config: &Config,
-    ledger: &Ledger,
-    report: &mut Report,
-    shutdown: impl Future<Output = ()>,
-) -> Result<(), RelayError> {
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let stopping = move || *stop_rx.borrow();
-    // Fused: once the signal came, the watcher stays pending instead of being polled again
-    // after completion by the next `select!` (the loop ends on `stopping()` anyway).
-    let watcher = futures::FutureExt::fuse(async move {
-        shutdown.await;
-        let _ = stop_tx.send(true);
-    });
-    tokio::pin!(watcher);
-    let mut held_back: HashMap<String, (Instant, Duration)> = HashMap::new();
-    let mut reconnect_backoff = Duration::from_millis(100);
-    let mut connected = None::<bool>;
-    let mut session: Option<Session> = None;
-    while !stopping() {
-        if session.is_none() {
-            let attempt = async {
-                let channel = connect(config, Duration::ZERO).await?;
-                Session::open(channel, config.window, config).await
-            };
-            let opened = tokio::select! {
-                opened = attempt => opened,
-                () = &mut watcher => continue,
-            };
-            match opened {
-                Ok(s) => {
-                    if connected != Some(true) {
-                        tracing::info!(url = %config.consumer_url, "consumer reachable; delivering");
-                    }
-                    connected = Some(true);
-                    reconnect_backoff = Duration::from_millis(100);
-                    session = Some(s);
-                }
-                Err(e) => {
-                    if connected != Some(false) {
-                        tracing::warn!(error = %e, max_backoff = ?config.max_backoff, "consumer unreachable; retrying with backoff");
-                    }
-                    connected = Some(false);
-                    tokio::select! {
-                        () = tokio::time::sleep(reconnect_backoff) => {}
-                        () = &mut watcher => {}
-                    }
-                    reconnect_backoff = (reconnect_backoff * 2).min(config.max_backoff);
-                    continue;
-                }
-            }
-        }
-        let now = Instant::now();
-        let skip: HashSet<String> =
-            held_back.iter().filter(|(_, (until, _))| *until > now).map(|(flow, _)| flow.clone()).collect();
-        let Some(active) = session.as_mut() else { continue };
-        let outcome = {
-            let work = pass(active, ledger, Source::Unaccepted, &skip, caps(config), report, &stopping);
-            tokio::pin!(work);
-            tokio::select! {
-                r = &mut work => r,
-                () = &mut watcher => work.await,
-            }
-        };
-        match outcome {
-            Ok(result) => {
-                // A refused flow is retried after its own backoff (doubling up to a minute), so a
-                // stuck conflict costs one attempt per backoff, not one per poll.
-                for (flow, _) in result.refused {
-                    let backoff = held_back.get(&flow).map_or(REFUSED_RETRY, |(_, b)| *b);
-                    held_back.insert(flow, (Instant::now() + backoff, (backoff * 2).min(REFUSED_RETRY_CAP)));
-                }
-                // A flow deferred by a full backlog is offered again after a shorter backoff,
-                // capped by --max-backoff-ms.
-                for flow in result.deferred {
-                    let backoff = held_back.get(&flow).map_or(BACKLOG_RETRY, |(_, b)| *b);
-                    held_back.insert(flow, (Instant::now() + backoff, (backoff * 2).min(config.max_backoff)));
-                }
-                if result.sent == 0 {
-                    tokio::select! {
-                        () = tokio::time::sleep(config.poll_interval) => {}
-                        () = &mut watcher => {}
-                    }
-                }
-            }
-            Err(RelayError::Stream(reason)) => {
-                tracing::warn!(%reason, "consumer stream lost; unanswered rows stay unaccepted and will be resent");
-                connected = Some(false);
-                session = None;
-            }
-            Err(other) => return Err(other),
-        }
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
     }
-    tracing::info!(sent = report.sent(), "relay stopped");
-    Ok(())
 }

@@ -1,0 +1,185 @@
+//! `run`: passes for ever until a stop. Any failure of the link (unreachable, stream error,
+//! a consumer that stopped answering) drops the stream and reconnects after a capped,
+//! jittered backoff, so no failure makes it spin; each change of the link's state and of a
+//! flow's state is logged once, not on every retry. Held-back flows are offered again after
+//! their own backoff, so a stuck conflict costs one attempt per backoff, not one per poll.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use crate::backoff::Backoff;
+use crate::error::RelayError;
+use crate::ledger::Ledger;
+use crate::output::Report;
+use crate::pass::{Caps, PassResult, Source, pass};
+use crate::session::Session;
+use crate::stop::Stop;
+use crate::{Config, RunSettings};
+
+/// First reconnect pause (the cap is `--max-backoff-ms`).
+const RECONNECT_FIRST: Duration = Duration::from_millis(100);
+/// First pause before a held-back flow's row is offered again, and its cap.
+const HELD_RETRY: Duration = Duration::from_millis(500);
+const HELD_RETRY_CAP: Duration = Duration::from_secs(60);
+/// First pause before a flow deferred by a full backlog is offered again (the cap is
+/// `--max-backoff-ms`).
+const DEFERRED_RETRY: Duration = Duration::from_millis(50);
+
+/// The link to the consumer as last logged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LinkState {
+    Starting,
+    Delivering,
+    Down(&'static str),
+}
+
+/// A flow not offered until `until`.
+struct Waiting {
+    until: Instant,
+    backoff: Backoff,
+    /// The answer that put it here (held-back flows), logged again only when it changes.
+    outcome: String,
+}
+
+/// Runs passes until `stop`; in-flight answers are recorded first (within the grace).
+pub async fn run(
+    config: &Config,
+    settings: RunSettings,
+    ledger: &Ledger,
+    report: &mut Report,
+    stop: &Stop,
+) -> Result<(), RelayError> {
+    let mut held: HashMap<String, Waiting> = HashMap::new();
+    let mut deferred: HashMap<String, Waiting> = HashMap::new();
+    let mut reconnect = Backoff::new(RECONNECT_FIRST, settings.max_backoff);
+    let mut link = LinkState::Starting;
+    let mut session: Option<Session> = None;
+    while !stop.requested() {
+        let Some(active) = session.as_mut() else {
+            let opened = tokio::select! {
+                opened = Session::open(&config.link, config.window, Duration::ZERO) => opened,
+                () = stop.asked() => break,
+            };
+            match opened {
+                Ok(s) => session = Some(s),
+                Err(e) if e.is_link_failure() => {
+                    link_down(&mut link, &e, settings.max_backoff);
+                    pause(reconnect.next_wait(), stop).await;
+                }
+                Err(e) => return Err(e),
+            }
+            continue;
+        };
+        let now = Instant::now();
+        let skip: HashSet<String> = held
+            .iter()
+            .chain(deferred.iter())
+            .filter(|(_, w)| w.until > now)
+            .map(|(f, _)| f.clone())
+            .collect();
+        match pass(active, ledger, Source::Unaccepted, &skip, Caps::of(config), report, stop).await {
+            Ok(result) => {
+                // The stream carried its answers (or had nothing to carry): the link works.
+                if link != LinkState::Delivering {
+                    tracing::info!(url = %config.link.url, "consumer reachable; delivering");
+                    link = LinkState::Delivering;
+                }
+                reconnect.reset();
+                let idle = result.sent == 0;
+                note_waiting_flows(result, &skip, &mut held, &mut deferred, settings.max_backoff);
+                if idle {
+                    pause(settings.poll_interval, stop).await;
+                }
+            }
+            Err(e) if e.is_link_failure() => {
+                link_down(&mut link, &e, settings.max_backoff);
+                session = None;
+                pause(reconnect.next_wait(), stop).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    tracing::info!(sent = report.sent(), "relay stopped");
+    Ok(())
+}
+
+/// Logs a link failure once per change of kind; the retries after it log at debug only.
+fn link_down(link: &mut LinkState, e: &RelayError, max_backoff: Duration) {
+    let kind = match e {
+        RelayError::Unreachable { .. } => "unreachable",
+        RelayError::Unresponsive(_) => "stopped answering",
+        _ => "stream failed",
+    };
+    if *link == LinkState::Down(kind) {
+        tracing::debug!(error = %e, "consumer still failing; retrying with backoff");
+    } else {
+        tracing::warn!(
+            error = %e, ?max_backoff,
+            "consumer {kind}: stream dropped, unanswered rows stay unaccepted and will be resent; retrying with backoff"
+        );
+        *link = LinkState::Down(kind);
+    }
+}
+
+/// Updates the flows waiting after a pass, logging each state change once: a flow newly held
+/// back (or held back by a different answer), a held-back flow that went through again, and
+/// the consumer's backlog turning full or having room again.
+fn note_waiting_flows(
+    result: PassResult,
+    offered_all_but: &HashSet<String>,
+    held: &mut HashMap<String, Waiting>,
+    deferred: &mut HashMap<String, Waiting>,
+    max_backoff: Duration,
+) {
+    let now = Instant::now();
+    let held_now: HashSet<&str> = result.held_back.iter().map(|h| h.flow_id.as_str()).collect();
+    let deferred_now: HashSet<&str> = result.deferred.iter().map(String::as_str).collect();
+    for h in &result.held_back {
+        let w = held.entry(h.flow_id.clone()).or_insert_with(|| Waiting {
+            until: now,
+            backoff: Backoff::new(HELD_RETRY, HELD_RETRY_CAP),
+            outcome: String::new(),
+        });
+        if w.outcome != h.outcome {
+            tracing::warn!(
+                flow_id = %h.flow_id, event_id = %h.event_id, outcome = %h.outcome, detail = %h.detail,
+                "flow held back: its row was not accepted; it stays unaccepted for an operator and is offered again with backoff"
+            );
+            w.outcome.clone_from(&h.outcome);
+        }
+        w.until = now + w.backoff.next_wait();
+    }
+    // A held-back flow offered in this pass and not held back again went through.
+    held.retain(|flow, _| {
+        let released = !offered_all_but.contains(flow) && !held_now.contains(flow.as_str());
+        if released {
+            tracing::info!(flow_id = %flow, "flow no longer held back");
+        }
+        !released
+    });
+    let was_full = !deferred.is_empty();
+    for flow in &result.deferred {
+        let w = deferred.entry(flow.clone()).or_insert_with(|| Waiting {
+            until: now,
+            backoff: Backoff::new(DEFERRED_RETRY, max_backoff),
+            outcome: String::new(),
+        });
+        w.until = now + w.backoff.next_wait();
+    }
+    deferred.retain(|flow, _| offered_all_but.contains(flow) || deferred_now.contains(flow.as_str()));
+    match (was_full, deferred.is_empty()) {
+        (false, false) => {
+            tracing::info!(flows = deferred.len(), "consumer backlog full: flows deferred with backoff")
+        }
+        (true, true) => tracing::info!("consumer backlog has room again"),
+        _ => {}
+    }
+}
+
+/// Waits `wait`, or less if a stop comes first.
+async fn pause(wait: Duration, stop: &Stop) {
+    tokio::select! {
+        () = tokio::time::sleep(wait) => {}
+        () = stop.asked() => {}
+    }
+}

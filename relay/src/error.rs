@@ -1,0 +1,55 @@
+//! Why a relay run stopped with an operational error (exit code 1, one line on stderr).
+
+use std::time::Duration;
+
+/// An operational failure; answers (conflicts, rejections) are never errors.
+#[derive(Debug, thiserror::Error)]
+pub enum RelayError {
+    /// producer.db could not be opened (missing, foreign, too new).
+    #[error("{0}")]
+    Db(#[from] proto::db::DbError),
+    /// A read or a mark transaction on producer.db failed.
+    #[error("producer database: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+    /// No connection to the consumer.
+    #[error("consumer unreachable at {url}: {reason}")]
+    Unreachable {
+        /// The consumer URL.
+        url: String,
+        /// The transport's reason.
+        reason: String,
+    },
+    /// The `Receive` stream failed or broke the protocol.
+    #[error("consumer stream failed: {0}")]
+    Stream(String),
+    /// The consumer stopped answering: no answer to the oldest envelope in flight (or no
+    /// response to opening a stream) within the answer timeout.
+    #[error(
+        "consumer stopped answering: nothing came back within {0:?} (--answer-timeout-ms); unanswered rows stay unaccepted"
+    )]
+    Unresponsive(Duration),
+    /// `drain`: rows deferred by a full consumer backlog with no progress for too long.
+    #[error(
+        "consumer backlog full: {rows} rows still deferred after {waited:?} without progress (--max-stall-ms); apply, then run the relay again"
+    )]
+    BacklogStalled {
+        /// Rows deferred in the last pass.
+        rows: usize,
+        /// How long nothing moved.
+        waited: Duration,
+    },
+    /// `send` named an event the outbox does not have.
+    #[error("no outbox row has event_id {0:?}")]
+    UnknownEvent(String),
+    /// SIGTERM/SIGINT ended `once`, `send` or `drain` before it finished.
+    #[error("stopped by a signal before {0} finished; unanswered rows stay unaccepted")]
+    Interrupted(&'static str),
+}
+
+impl RelayError {
+    /// True for failures of the link to the consumer, after which `run` reconnects (with
+    /// backoff) instead of exiting.
+    pub fn is_link_failure(&self) -> bool {
+        matches!(self, RelayError::Unreachable { .. } | RelayError::Stream(_) | RelayError::Unresponsive(_))
+    }
+}

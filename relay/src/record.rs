@@ -1,0 +1,44 @@
+//! Recording answers: a run of arrived answers goes into producer.db in ONE transaction
+//! (marking the accepted rows), and only then are their delivery lines written, so stdout
+//! never claims more than the ledger holds.
+
+use std::time::Instant;
+
+use producer::store::{DeliveryAnswer, OutboxRecord};
+
+use crate::error::RelayError;
+use crate::ledger::{Ledger, Recorded};
+use crate::output::Report;
+
+/// An answer waiting to be recorded.
+pub struct Answered {
+    /// The row it answers.
+    pub row: OutboxRecord,
+    /// The answer.
+    pub answer: DeliveryAnswer,
+    /// The consumer's detail text.
+    pub detail: String,
+    /// When it arrived.
+    pub at: Instant,
+}
+
+/// Records `answered` in one transaction, then queues and writes their delivery lines;
+/// returns how many were recorded. `answered` is empty afterwards.
+pub async fn record(
+    ledger: &Ledger,
+    answered: &mut Vec<Answered>,
+    report: &mut Report,
+) -> Result<u64, RelayError> {
+    if answered.is_empty() {
+        return Ok(0);
+    }
+    let recorded =
+        answered.iter().map(|a| Recorded { event_id: a.row.event_id.clone(), answer: a.answer }).collect();
+    ledger.record(recorded).await?;
+    let n = answered.len() as u64;
+    for a in answered.drain(..) {
+        report.delivery(&a.row.event_id, &a.row.flow_id, a.row.seq, a.answer, &a.detail);
+    }
+    report.flush();
+    Ok(n)
+}

@@ -1,0 +1,63 @@
+//! One open `Receive` stream: [`Session::open`] is the one place a stream to the consumer is
+//! opened (connect, then open the call, bounded by the answer timeout), so whatever must
+//! happen before the first envelope is sent belongs there.
+
+use std::time::Duration;
+
+use proto::auth::SendToken;
+use proto::pb;
+use proto::pb::consumer_client::ConsumerClient;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::Link;
+use crate::error::RelayError;
+
+/// One open `Receive` stream: envelopes go out through `outbound`, answers come back in
+/// order on `answers`.
+pub struct Session {
+    outbound: mpsc::Sender<pb::EventEnvelope>,
+    answers: tonic::Streaming<pb::ReceiveResult>,
+}
+
+impl Session {
+    /// Connects to the consumer (retrying until `connect_deadline`) and opens a `Receive`
+    /// stream with room for `window` envelopes. The consumer has `link.answer_timeout` to
+    /// answer the opening; a stopped consumer fails it instead of hanging it.
+    pub async fn open(link: &Link, window: usize, connect_deadline: Duration) -> Result<Session, RelayError> {
+        let channel = crate::connect::channel(link, connect_deadline).await?;
+        let (outbound, rx) = mpsc::channel(window.max(1));
+        let mut client = ConsumerClient::with_interceptor(channel, SendToken::new(link.token.as_deref()));
+        let opened = tokio::time::timeout(link.answer_timeout, client.receive(ReceiverStream::new(rx)))
+            .await
+            .map_err(|_| RelayError::Unresponsive(link.answer_timeout))?;
+        let answers = opened.map_err(|s| RelayError::Stream(s.to_string()))?.into_inner();
+        Ok(Session { outbound, answers })
+    }
+
+    /// Hands one envelope to the stream (never blocks while fewer than `window` are in flight).
+    pub async fn send(&self, envelope: pb::EventEnvelope) -> Result<(), RelayError> {
+        self.outbound.send(envelope).await.map_err(|_| RelayError::Stream("the stream closed".into()))
+    }
+
+    /// The next answer. Cancel-safe (`Streaming::message` keeps a partial message buffered),
+    /// so it can race against timers.
+    pub async fn answer(&mut self) -> Result<pb::ReceiveResult, RelayError> {
+        Self::read(self.answers.message().await)
+    }
+
+    /// The next answer if it has already arrived, without waiting.
+    pub fn answer_now(&mut self) -> Option<Result<pb::ReceiveResult, RelayError>> {
+        futures::FutureExt::now_or_never(self.answers.message()).map(Self::read)
+    }
+
+    fn read(
+        message: Result<Option<pb::ReceiveResult>, tonic::Status>,
+    ) -> Result<pb::ReceiveResult, RelayError> {
+        match message {
+            Ok(Some(answer)) => Ok(answer),
+            Ok(None) => Err(RelayError::Stream("the consumer ended the stream early".into())),
+            Err(status) => Err(RelayError::Stream(status.to_string())),
+        }
+    }
+}
