@@ -42,16 +42,17 @@ pub async fn channel(link: &Link, deadline: Duration) -> Result<Channel, RelayEr
     let until = Instant::now() + deadline;
     let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
     loop {
-        let reason = match tokio::time::timeout(link.answer_timeout, endpoint.connect()).await {
+        let failure = match tokio::time::timeout(link.answer_timeout, endpoint.connect()).await {
             Ok(Ok(channel)) => return Ok(channel),
-            Ok(Err(e)) => source_chain(&e),
-            Err(_) => format!("no HTTP/2 connection within {:?}", link.answer_timeout),
+            Ok(Err(e)) => unreachable(link, source_chain(&e)),
+            // TCP was accepted but nothing answered: the same failure as a silent stream.
+            Err(_) => RelayError::Unresponsive(link.answer_timeout),
         };
         let wait = backoff.next_wait();
         if Instant::now() + wait >= until {
-            return Err(unreachable(link, reason));
+            return Err(failure);
         }
-        tracing::debug!(%reason, "consumer not reachable yet");
+        tracing::debug!(error = %failure, "consumer not reachable yet");
         tokio::time::sleep(wait).await;
     }
 }

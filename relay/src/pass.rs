@@ -161,6 +161,7 @@ pub async fn pass(
                 }
             };
             session.send(envelope).await?;
+            tracing::debug!(event_id = %row.event_id, "sent");
             in_flight.push_back(InFlight { row, sent_at: Instant::now() });
         }
         let Some(oldest) = in_flight.front() else { break };

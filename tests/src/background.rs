@@ -24,10 +24,25 @@ impl RelayDaemon {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> RelayDaemon {
+        let mut args = vec!["run"];
+        args.extend_from_slice(extra);
+        Self::start_mode(dir, name, producer_db, consumer_url, &args, env)
+    }
+
+    /// Starts `relay --producer-db DB --consumer URL <args…>` in the background, whatever the
+    /// mode (`args` starts with it), for tests that signal or watch a one-shot run too.
+    pub fn start_mode(
+        dir: &Path,
+        name: &str,
+        producer_db: &Path,
+        consumer_url: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> RelayDaemon {
         let stdout = dir.join(format!("{name}.out"));
         let stderr = dir.join(format!("{name}.err"));
         let mut cmd = Command::new(bin_path("relay"));
-        cmd.arg("--producer-db").arg(producer_db).arg("--consumer").arg(consumer_url).arg("run").args(extra);
+        cmd.arg("--producer-db").arg(producer_db).arg("--consumer").arg(consumer_url).args(args);
         crate::proc::strip_ours(&mut cmd);
         for (k, v) in env {
             cmd.env(k, v);
@@ -63,10 +78,17 @@ impl RelayDaemon {
     }
 
     /// SIGTERM, wait for the exit, and read its lines.
-    pub fn terminate(mut self, deadline: Duration) -> RelayRun {
-        let mut child = self.child.take().expect("running relay");
+    pub fn terminate(self, deadline: Duration) -> RelayRun {
+        let child = self.child.as_ref().expect("running relay");
         // SAFETY: plain kill(2) on our own child's pid.
         unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        self.wait(deadline)
+    }
+
+    /// Waits for the relay to exit on its own (a one-shot mode), and reads its lines; kills
+    /// it and panics with its log if it is still running after `deadline`.
+    pub fn wait(mut self, deadline: Duration) -> RelayRun {
+        let mut child = self.child.take().expect("running relay");
         let status = wait_with_deadline(&mut child, deadline);
         if status.is_none() {
             let _ = child.kill();
@@ -74,7 +96,7 @@ impl RelayDaemon {
         }
         let stderr = self.log_text();
         let status =
-            status.unwrap_or_else(|| panic!("relay run ignored SIGTERM for {deadline:?}; log:\n{stderr}"));
+            status.unwrap_or_else(|| panic!("relay did not exit within {deadline:?}; log:\n{stderr}"));
         let out = std::fs::read_to_string(&self.stdout).unwrap_or_default();
         let lines = out
             .lines()

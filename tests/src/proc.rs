@@ -162,6 +162,36 @@ impl ServerProcess {
     }
 }
 
+/// A server stopped with SIGSTOP (a frozen peer). It borrows the process, so it is resumed
+/// (SIGCONT) before the process can be dropped: no test leaves a frozen process behind.
+pub struct Frozen<'a> {
+    process: &'a ServerProcess,
+}
+
+impl ServerProcess {
+    /// Stops the process (SIGSTOP) until the guard is dropped or [`Frozen::resume`]d.
+    pub fn freeze(&self) -> Frozen<'_> {
+        let pid = self.pid().expect("process still owned");
+        // SAFETY: plain kill(2) on our own child's pid.
+        unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+        Frozen { process: self }
+    }
+}
+
+impl Frozen<'_> {
+    /// SIGCONT, now.
+    pub fn resume(self) {}
+}
+
+impl Drop for Frozen<'_> {
+    fn drop(&mut self) {
+        if let Some(pid) = self.process.pid() {
+            // SAFETY: plain kill(2) on our own (not yet reaped) child's pid.
+            unsafe { libc::kill(pid as i32, libc::SIGCONT) };
+        }
+    }
+}
+
 impl Drop for ServerProcess {
     fn drop(&mut self) {
         self.kill();

@@ -12,6 +12,7 @@ mod hostile;
 mod model;
 mod producer;
 mod relay;
+mod relay_liveness;
 mod scenarios;
 mod security;
 mod walkthrough;

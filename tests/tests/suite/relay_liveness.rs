@@ -1,0 +1,291 @@
+//! The relay against a consumer that stops answering (SIGSTOP) and a consumer backlog that
+//! stays full: every mode reconnects or exits within a bound, every mode ends on SIGTERM
+//! within its grace, and nothing is lost: after SIGCONT, `run` delivers everything.
+
+use std::time::{Duration, Instant};
+
+use harness::background::{RelayDaemon, poll, wait_for};
+use harness::{Consumer, Producer, Workdir, db, relay};
+use proto::pb::AdvanceOutcome;
+
+const EXIT: Duration = Duration::from_secs(30);
+/// Debug logs of the relay only: the per-send and per-retry lines the tests wait on.
+const RELAY_DEBUG: (&str, &str) = ("RUST_LOG", "info,relay=debug");
+
+async fn commit(producer: &Producer, flow: &str, steps: usize) {
+    for r in producer.advance_steps(flow, 0, &vec![1; steps]).await {
+        assert_eq!(AdvanceOutcome::try_from(r.outcome), Ok(AdvanceOutcome::Committed), "{r:?}");
+    }
+}
+
+fn all_accepted(path: &std::path::Path) -> Option<()> {
+    db::outbox(path).iter().all(|r| r.accepted).then_some(())
+}
+
+/// `(accepted, attempts, last_outcome)` of one outbox row.
+fn sends(path: &std::path::Path, id: &str) -> (bool, u64, Option<String>) {
+    let conn = rusqlite::Connection::open(path).expect("open producer.db");
+    conn.query_row("SELECT accepted, attempts, last_outcome FROM outbox WHERE event_id = ?1", [id], |r| {
+        Ok((r.get::<_, i64>(0)? != 0, r.get(1)?, r.get(2)?))
+    })
+    .expect("outbox row")
+}
+
+fn log_has(daemon: &RelayDaemon, text: &str, times: usize) -> Option<()> {
+    (daemon.log_text().matches(text).count() >= times).then_some(())
+}
+
+/// A consumer stopped before the relay starts: `once`, `send` and `drain` give up with exit 1
+/// and one line once the answer timeout passes; nothing is marked; after SIGCONT, drain
+/// delivers everything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_shot_modes_give_up_on_a_stopped_consumer() {
+    let work = Workdir::new();
+    let producer = Producer::start(&work, &[]);
+    let consumer = Consumer::start(&work, false, &[]);
+    commit(&producer, "A", 2).await;
+    let url = consumer.process.url();
+    let frozen = consumer.process.freeze();
+    for mode in [&["once"][..], &["send", "--event-id", "A2"], &["drain"]] {
+        let mut args = mode.to_vec();
+        args.extend(["--answer-timeout-ms", "500"]);
+        let run = relay(&producer.db, &url, &args, &[]);
+        assert_eq!(run.code, Some(1), "{mode:?}: {run:?}");
+        let errors: Vec<_> = run.stderr.lines().filter(|l| l.starts_with("relay: error:")).collect();
+        assert_eq!(errors.len(), 1, "{mode:?}: {}", run.stderr);
+        assert!(errors[0].contains("consumer stopped answering"), "{mode:?}: {}", run.stderr);
+        assert!(db::outbox(&producer.db).iter().all(|r| !r.accepted));
+    }
+    frozen.resume();
+    let run = relay(&producer.db, &url, &["drain"], &[]);
+    assert_eq!((run.code, run.outcomes()), (Some(0), vec!["ACCEPTED".to_owned(); 2]), "{run:?}");
+}
+
+/// SIGTERM ends every one-shot mode while the consumer is stopped, long before the answer
+/// timeout (ten minutes here) could: exit 1 with one line saying it was stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_ends_one_shot_modes_whatever_the_consumer_does() {
+    let work = Workdir::new();
+    let producer = Producer::start(&work, &[]);
+    let consumer = Consumer::start(&work, false, &[]);
+    commit(&producer, "A", 1).await;
+    let url = consumer.process.url();
+    let _frozen = consumer.process.freeze();
+    for (i, mode) in [&["once"][..], &["send", "--event-id", "A1"], &["drain"]].into_iter().enumerate() {
+        let mut args = mode.to_vec();
+        args.extend(["--answer-timeout-ms", "600000", "--shutdown-grace-ms", "500"]);
+        let daemon =
+            RelayDaemon::start_mode(work.dir.path(), &format!("relay-{i}"), &producer.db, &url, &args, &[]);
+        // Past opening producer.db, it is on its way to (or stuck at) the consumer.
+        wait_for(EXIT, || log_has(&daemon, "producer database open", 1), || daemon.log_text());
+        let run = daemon.terminate(EXIT);
+        assert_eq!(run.code, Some(1), "{mode:?}: {run:?}");
+        assert!(run.stderr.contains("relay: error: stopped by a signal before"), "{mode:?}: {}", run.stderr);
+    }
+    assert!(!sends(&producer.db, "A1").0);
+}
+
+/// `run` with rows in flight to a consumer that stops: the oldest unanswered envelope times
+/// out, the failure is logged once while reconnects keep failing with backoff, the unanswered
+/// send is counted on its row; after SIGCONT everything is delivered, and SIGTERM exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_mode_reconnects_after_a_stopped_consumer_and_delivers_everything() {
+    let work = Workdir::new();
+    let producer = Producer::start(&work, &[]);
+    let consumer = Consumer::start(&work, false, &[]);
+    let daemon = RelayDaemon::start(
+        work.dir.path(),
+        "relay-run",
+        &producer.db,
+        &consumer.process.url(),
+        &["--poll-ms", "20", "--max-backoff-ms", "200", "--answer-timeout-ms", "500"],
+        &[RELAY_DEBUG],
+    );
+    commit(&producer, "A", 1).await;
+    wait_for(EXIT, || all_accepted(&producer.db), || format!("{:?}", db::outbox(&producer.db)));
+    let frozen = consumer.process.freeze();
+    commit(&producer, "B", 1).await;
+    wait_for(EXIT, || log_has(&daemon, "consumer stopped answering", 1), || daemon.log_text());
+    // The send that got no answer is counted; the row stays unaccepted.
+    assert_eq!(sends(&producer.db, "B1"), (false, 1, Some("NO_ANSWER".to_owned())));
+    // Reconnects keep failing while it is stopped: logged at debug, the warning stays single.
+    wait_for(EXIT, || log_has(&daemon, "consumer still failing", 3), || daemon.log_text());
+    let log = daemon.log_text();
+    assert_eq!(log.matches("WARN").count(), 1, "{log}");
+    frozen.resume();
+    commit(&producer, "C", 2).await;
+    wait_for(EXIT, || all_accepted(&producer.db), || format!("{:?}", db::outbox(&producer.db)));
+    let run = daemon.terminate(EXIT);
+    assert_eq!(run.code, Some(0), "{run:?}");
+    assert!(run.outcomes().iter().all(|o| o == "ACCEPTED" || o == "DUPLICATE"), "{:?}", run.outcomes());
+    assert!(sends(&producer.db, "B1").1 >= 2);
+    assert_eq!(consumer.apply("C").await.applied, 2);
+}
+
+/// SIGTERM while rows are in flight to a stopped consumer: `run` waits the shutdown grace
+/// for their answers, not the (ten-minute) answer timeout, exits 0, and counts the sends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_ends_run_mode_within_the_grace_with_rows_in_flight() {
+    let work = Workdir::new();
+    let producer = Producer::start(&work, &[]);
+    let consumer = Consumer::start(&work, false, &[]);
+    let daemon = RelayDaemon::start(
+        work.dir.path(),
+        "relay-run",
+        &producer.db,
+        &consumer.process.url(),
+        &["--poll-ms", "20", "--answer-timeout-ms", "600000", "--shutdown-grace-ms", "500"],
+        &[RELAY_DEBUG],
+    );
+    commit(&producer, "A", 1).await;
+    wait_for(EXIT, || all_accepted(&producer.db), || format!("{:?}", db::outbox(&producer.db)));
+    let _frozen = consumer.process.freeze();
+    commit(&producer, "B", 1).await;
+    wait_for(EXIT, || log_has(&daemon, "event_id=B1", 1), || daemon.log_text());
+    let run = daemon.terminate(EXIT);
+    assert_eq!(run.code, Some(0), "{run:?}");
+    assert!(run.stderr.contains("shutdown grace over"), "{}", run.stderr);
+    assert_eq!(sends(&producer.db, "B1"), (false, 1, Some("NO_ANSWER".to_owned())));
+}
+
+/// A full consumer backlog is back-pressure: `drain` waits (and says so) while the consumer
+/// makes progress, and finishes with exit 0 once everything fits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_waits_on_a_full_backlog_while_it_makes_progress() {
+    let work = Workdir::new();
+    let producer = Producer::start(&work, &[]);
+    let consumer = Consumer::start_with(&work, &["--max-pending", "2"]);
+    for flow in ["F1-", "F2-", "F3-", "F4-", "F5-"] {
+        commit(&producer, flow, 1).await;
+    }
+    let daemon = RelayDaemon::start_mode(
+        work.dir.path(),
+        "relay-drain",
+        &producer.db,
+        &consumer.process.url(),
+        &["drain", "--max-stall-ms", "600000"],
+        &[],
+    );
+    wait_for(EXIT, || log_has(&daemon, "consumer backlog full: waiting", 1), || daemon.log_text());
+    // An operator applies now and then; the relay picks up the room each time.
+    let mut daemon = daemon;
+    let until = Instant::now() + EXIT;
+    while daemon.is_running() && Instant::now() < until {
+        consumer.apply_all(0).await;
+        // A pause between polls of the relay's state, not a guess at how long it takes.
+        poll(Duration::from_millis(50), || (!daemon.is_running()).then_some(()));
+    }
+    let run = daemon.wait(EXIT);
+    assert_eq!(run.code, Some(0), "{run:?}");
+    let counts = &run.summary()["counts"];
+    assert_eq!(counts["ACCEPTED"], 5, "{counts}");
+    assert!(counts["BACKLOG_FULL"].as_u64().unwrap_or(0) > 0, "{counts}");
+    assert_eq!(run.summary()["left_unaccepted"], 0);
+    assert!(all_accepted(&producer.db).is_some());
+}
+
+/// No progress at all (nothing accepted, no fewer rows deferred) for `--max-stall-ms` ends
+/// `drain` with exit 1 and one line; the deferred rows stay unaccepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_gives_up_loudly_when_a_full_backlog_never_moves() {
+    let work = Workdir::new();
+    let producer = Producer::start(&work, &[]);
+    let consumer = Consumer::start_with(&work, &["--max-pending", "2"]);
+    for flow in ["F1-", "F2-", "F3-", "F4-"] {
+        commit(&producer, flow, 1).await;
+    }
+    let run = relay(&producer.db, &consumer.process.url(), &["drain", "--max-stall-ms", "1000"], &[]);
+    assert_eq!(run.code, Some(1), "{run:?}");
+    let errors: Vec<_> = run.stderr.lines().filter(|l| l.starts_with("relay: error:")).collect();
+    assert_eq!(errors.len(), 1, "{}", run.stderr);
+    assert!(errors[0].contains("consumer backlog full: 2 rows still deferred"), "{}", run.stderr);
+    assert_eq!(db::outbox(&producer.db).iter().filter(|r| r.accepted).count(), 2);
+}
+
+/// A consumer from the future (test code only): answers every envelope with one fixed outcome
+/// number, as a newer or broken consumer would.
+struct AnswersWith(i32);
+
+#[tonic::async_trait]
+impl proto::pb::consumer_server::Consumer for AnswersWith {
+    type ReceiveStream = std::pin::Pin<
+        Box<dyn futures::Stream<Item = Result<proto::pb::ReceiveResult, tonic::Status>> + Send>,
+    >;
+
+    async fn receive(
+        &self,
+        request: tonic::Request<tonic::Streaming<proto::pb::EventEnvelope>>,
+    ) -> Result<tonic::Response<Self::ReceiveStream>, tonic::Status> {
+        use futures::StreamExt as _;
+        let outcome = self.0;
+        let answers = request.into_inner().map(move |envelope| {
+            envelope.map(|e| proto::pb::ReceiveResult {
+                event_id: e.event_id,
+                outcome,
+                detail: String::new(),
+            })
+        });
+        Ok(tonic::Response::new(Box::pin(answers)))
+    }
+
+    async fn apply(
+        &self,
+        _: tonic::Request<proto::pb::ApplyRequest>,
+    ) -> Result<tonic::Response<proto::pb::ApplyResult>, tonic::Status> {
+        Err(tonic::Status::unimplemented("test double"))
+    }
+
+    async fn apply_all(
+        &self,
+        _: tonic::Request<proto::pb::ApplyAllRequest>,
+    ) -> Result<tonic::Response<proto::pb::ApplyAllResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("test double"))
+    }
+
+    async fn get_flow(
+        &self,
+        _: tonic::Request<proto::pb::GetFlowRequest>,
+    ) -> Result<tonic::Response<proto::pb::ConsumerFlow>, tonic::Status> {
+        Err(tonic::Status::unimplemented("test double"))
+    }
+
+    async fn list_stuck(
+        &self,
+        _: tonic::Request<proto::pb::ListStuckRequest>,
+    ) -> Result<tonic::Response<proto::pb::ListStuckResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("test double"))
+    }
+}
+
+/// An answer the relay does not understand (an unknown number, or UNSPECIFIED) leaves the
+/// row unaccepted, holds its flow back, and shows in the summary and the exit code (4).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_not_understood_fail_the_exit_code() {
+    let work = Workdir::new();
+    let producer = Producer::start(&work, &[]);
+    commit(&producer, "A", 2).await;
+    commit(&producer, "B", 1).await;
+    for (outcome, word) in [(99, "UNKNOWN_99"), (0, "UNSPECIFIED")] {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let url = format!("http://{}", listener.local_addr().expect("addr"));
+        let server = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(proto::pb::consumer_server::ConsumerServer::new(AnswersWith(outcome)))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        let (db_path, url2) = (producer.db.clone(), url.clone());
+        let run =
+            tokio::task::spawn_blocking(move || relay(&db_path, &url2, &["drain", "--window", "1"], &[]))
+                .await
+                .expect("relay thread");
+        server.abort();
+        assert_eq!(run.code, Some(4), "{run:?}");
+        // A2 is never sent: A is held back after A1's answer.
+        assert_eq!(run.outcomes(), [word, word], "{run:?}");
+        assert_eq!(run.summary()["left_unaccepted"], 2);
+        assert_eq!(run.summary()["counts"][word], 2);
+        assert_eq!(sends(&producer.db, "A1").2.as_deref(), Some(word));
+        assert!(db::outbox(&producer.db).iter().all(|r| !r.accepted));
+        assert!(run.stderr.contains("flow held back"), "{}", run.stderr);
+    }
+}
