@@ -3,6 +3,7 @@
 //! `Receive`, and marks a row accepted only after the consumer answered that it durably
 //! holds it (`ACCEPTED` or `DUPLICATE`). Everything else leaves the row unaccepted.
 
+pub mod identity;
 pub mod ledger;
 pub mod output;
 pub mod pass;

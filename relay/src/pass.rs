@@ -58,7 +58,8 @@ struct Session {
 }
 
 impl Session {
-    async fn open(channel: Channel, window: usize, config: &Config) -> Result<Session, RelayError> {
+    async fn open(channel: Channel, window: usize, config: &Config, ledger: &Ledger) -> Result<Session, RelayError> {
+        crate::identity::check_consumer_history(channel.clone(), ledger, config).await?;
         let (outbound, rx) = mpsc::channel(window.max(1));
         let answers = ConsumerClient::with_interceptor(channel, SendToken::new(config.token.as_deref()))
             .receive(ReceiverStream::new(rx))
@@ -226,7 +227,8 @@ async fn pass(
                 result.refused.push((row.flow_id.clone(), word(outcome)));
             }
             result.accepted += u64::from(is_accepted(outcome));
-            answered.push(Answered { row, outcome, detail: answer.detail, at: Instant::now() });
+            let position = answer.inbox_position;
+            answered.push(Answered { row, outcome, detail: answer.detail, position, at: Instant::now() });
             if answered.len() < caps.mark_batch.max(1) && !in_flight.is_empty() {
                 next = session.answer_now();
             }
@@ -250,6 +252,8 @@ struct Answered {
     row: OutboxRecord,
     outcome: pb::ReceiveOutcome,
     detail: String,
+    /// The consumer's inbox position of the event (0 when it did not say).
+    position: u64,
     /// When it arrived.
     at: Instant,
 }
@@ -271,6 +275,7 @@ async fn record(
             event_id: a.row.event_id.clone(),
             outcome: word(a.outcome),
             accepted: is_accepted(a.outcome),
+            position: a.position,
         })
         .collect();
     ledger.record(recorded).await?;
@@ -349,7 +354,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<i
             };
             if let Some(row) = row {
                 let channel = connect(&config, config.connect_deadline).await?;
-                let mut session = Session::open(channel, 1, &config).await?;
+                let mut session = Session::open(channel, 1, &config, &ledger).await?;
                 let source = Source::Rows(VecDeque::from([row]));
                 let caps = Caps { window: 1, mark_batch: 1, mark_delay: Duration::ZERO };
                 pass(&mut session, &ledger, source, &HashSet::new(), caps, &mut report, &never).await?;
@@ -358,7 +363,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<i
         Mode::Drain => {
             if !ledger.unaccepted_after((String::new(), 0), 1).await?.is_empty() {
                 let channel = connect(&config, config.connect_deadline).await?;
-                let mut session = Session::open(channel, config.window, &config).await?;
+                let mut session = Session::open(channel, config.window, &config, &ledger).await?;
                 let mut skip = HashSet::new();
                 let mut backoff = BACKLOG_RETRY;
                 let mut stalled_since: Option<Instant> = None;
@@ -426,7 +431,7 @@ async fn run_forever(
         if session.is_none() {
             let attempt = async {
                 let channel = connect(config, Duration::ZERO).await?;
-                Session::open(channel, config.window, config).await
+                Session::open(channel, config.window, config, ledger).await
             };
             let opened = tokio::select! {
                 opened = attempt => opened,
