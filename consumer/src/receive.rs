@@ -93,7 +93,8 @@ pub fn spawn(conn: Arc<Mutex<Connection>>, opts: WriterOptions) -> std::io::Resu
         let batch_len = jobs.len();
         let mut touched = BTreeSet::new();
         for (job, result) in jobs.into_iter().zip(results) {
-            if matches!(&result, Ok(r) if matches!(r.outcome, ReceiveOutcome::Accepted | ReceiveOutcome::Duplicate)) {
+            if matches!(&result, Ok(r) if matches!(r.outcome, ReceiveOutcome::Accepted | ReceiveOutcome::Duplicate))
+            {
                 touched.insert(job.event.flow_id);
             }
             // The stream may have ended meanwhile (client gone); its answer is moot.
@@ -289,7 +290,8 @@ mod tests {
             (event("X", "A", 1, 3), &s),
             (event("B1", "B", 1, 3), &s),
         ]);
-        let results = receive_batch(&mut conn, &batch, &CrashSwitch::default(), store::Admission::Unlimited, None);
+        let results =
+            receive_batch(&mut conn, &batch, &CrashSwitch::default(), store::Admission::Unlimited, None);
         assert_eq!(
             words(&results),
             ["Accepted", "Duplicate", "IdConflict", "SequenceConflict { held_by: \"A1\" }", "Accepted"]
@@ -317,7 +319,8 @@ mod tests {
             (event("C1", "C", 1, 3), &one),
             (event("D1", "D", 1, 3), &two),
         ]);
-        let results = receive_batch(&mut conn, &batch, &CrashSwitch::default(), store::Admission::Unlimited, None);
+        let results =
+            receive_batch(&mut conn, &batch, &CrashSwitch::default(), store::Admission::Unlimited, None);
         assert_eq!(words(&results), ["Accepted", "Internal", "Aborted", "Accepted"]);
         assert!(results[1].as_ref().unwrap_err().message().contains("inbox insert rejected"));
         assert!(one.failed() && !two.failed());

@@ -18,9 +18,9 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::apply::{self, ApplyFailure, ApplyOptions, ApplyReport, Stop};
 use crate::receive::{self, ReceiveJob, Received, StreamState, WriterOptions};
-use crate::storage::StorageWatch;
 use crate::request;
 use crate::rules::{BlockReason, Waiting, why_waiting};
+use crate::storage::StorageWatch;
 use crate::store::{self, EffectRecord, InboxRecord, ReceiveOutcome, StoreError};
 
 /// What the consumer needs to run (validated flags).

@@ -237,8 +237,7 @@ pub fn is_storage_failure(error: &StoreError) -> bool {
     match error {
         // A constraint or a trigger refuses one row; the storage itself is fine.
         StoreError::Sqlite(e) => {
-            !proto::db::is_busy(e)
-                && e.sqlite_error_code() != Some(rusqlite::ErrorCode::ConstraintViolation)
+            !proto::db::is_busy(e) && e.sqlite_error_code() != Some(rusqlite::ErrorCode::ConstraintViolation)
         }
         StoreError::FileReplaced(_) => true,
         StoreError::Inconsistent(_) => false,

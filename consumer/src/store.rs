@@ -259,8 +259,9 @@ pub struct Identity {
 
 /// Reads the identity and the highest inbox position (run it in one read transaction).
 pub fn identity(conn: &Connection) -> Result<Identity> {
-    let database_id: String =
-        conn.prepare_cached("SELECT database_id FROM database_identity WHERE id = 1")?.query_row([], |r| r.get(0))?;
+    let database_id: String = conn
+        .prepare_cached("SELECT database_id FROM database_identity WHERE id = 1")?
+        .query_row([], |r| r.get(0))?;
     let highest_position: u64 =
         conn.prepare_cached("SELECT coalesce(max(rowid), 0) FROM inbox")?.query_row([], |r| r.get(0))?;
     Ok(Identity { database_id, highest_position })

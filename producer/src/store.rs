@@ -351,7 +351,9 @@ pub fn lost_rows(conn: &Connection, consumer_db: &str, highest_position: u64) ->
         )?
         .query_row(params![consumer_db, highest_position], |r| Ok((r.get(0)?, r.get(1)?)))?;
     let sample = conn
-        .prepare_cached(&format!("SELECT event_id FROM outbox WHERE {LOST_WHERE} ORDER BY flow_id, seq LIMIT 5"))?
+        .prepare_cached(&format!(
+            "SELECT event_id FROM outbox WHERE {LOST_WHERE} ORDER BY flow_id, seq LIMIT 5"
+        ))?
         .query_map(params![consumer_db, highest_position], |r| r.get(0))?
         .collect::<rusqlite::Result<_>>()?;
     Ok(LostRows { other_database, beyond_history, highest_recorded, sample })

@@ -59,6 +59,12 @@ pub enum DbError {
     Newer { path: PathBuf, kind: &'static str, found: i32, supported: i32 },
     #[error("{path}: has not been created by the {kind} yet (start the {kind} once first)")]
     NotInitialised { path: PathBuf, kind: &'static str },
+    #[error(
+        "{path}: missing, but {leftovers} of a {kind} database that was here remain: it was deleted or \
+         moved, and whatever it held is lost from this side. Restore it, or remove these files to start \
+         a fresh {kind} database deliberately (a relay then re-sends what the new one lacks)"
+    )]
+    Orphaned { path: PathBuf, kind: &'static str, leftovers: String },
 }
 
 /// The settings a connection actually runs with, for the start-up log.
@@ -78,6 +84,15 @@ pub fn open(path: &Path, kind: &DbKind, mode: OpenMode) -> Result<Connection, Db
         return Err(DbError::Missing { path: path.to_owned(), kind: kind.name });
     }
     let orphans = orphan_sidecars(path);
+    if mode == OpenMode::Create && !orphans.is_empty() {
+        // SQLite would read the old WAL into the new file; and a fresh database where one
+        // was expected must be the operator's decision, not a silent side effect.
+        return Err(DbError::Orphaned {
+            path: path.to_owned(),
+            kind: kind.name,
+            leftovers: orphans.join(", "),
+        });
+    }
     let mut flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
     if mode == OpenMode::Create {
         flags |= OpenFlags::SQLITE_OPEN_CREATE;
@@ -95,20 +110,7 @@ pub fn open(path: &Path, kind: &DbKind, mode: OpenMode) -> Result<Connection, Db
     conn.pragma_update(None, "synchronous", "FULL").map_err(sqlite)?;
     conn.pragma_update(None, "foreign_keys", "ON").map_err(sqlite)?;
     match found {
-        Found::Empty => {
-            if !orphans.is_empty() {
-                tracing::warn!(
-                    path = %path.display(),
-                    kind = kind.name,
-                    leftovers = %orphans.join(", "),
-                    "creating a fresh {} database where a -wal/-shm file was left behind: the database \
-                     that was here was deleted or moved, and what it held (and its identity) is not in \
-                     the new file",
-                    kind.name
-                );
-            }
-            create_schema(&mut conn, path, kind)?
-        }
+        Found::Empty => create_schema(&mut conn, path, kind)?,
         Found::Older => upgrade_schema(&mut conn, path, kind)?,
         Found::Current => {}
     }
@@ -116,11 +118,10 @@ pub fn open(path: &Path, kind: &DbKind, mode: OpenMode) -> Result<Connection, Db
     Ok(conn)
 }
 
-/// The `-wal`/`-shm` files beside `path` when `path` itself is missing or empty: the
-/// traces of a database deleted while its sidecars stayed.
+/// The `-wal`/`-shm` files beside `path` when `path` itself is missing: the traces of a
+/// database deleted while its sidecars stayed.
 fn orphan_sidecars(path: &Path) -> Vec<String> {
-    let empty = std::fs::metadata(path).map(|m| m.len() == 0).unwrap_or(true);
-    if !empty {
+    if path.exists() {
         return Vec::new();
     }
     ["-wal", "-shm"]
@@ -160,7 +161,8 @@ fn refuse_foreign(conn: &Connection, path: &Path, kind: &DbKind, mode: OpenMode)
     if mode == OpenMode::Existing {
         return Err(DbError::NotInitialised { path: path.to_owned(), kind: kind.name });
     }
-    let tables: i64 = conn.query_row("SELECT count(*) FROM sqlite_schema", [], |r| r.get(0)).map_err(sqlite)?;
+    let tables: i64 =
+        conn.query_row("SELECT count(*) FROM sqlite_schema", [], |r| r.get(0)).map_err(sqlite)?;
     if tables > 0 {
         return Err(DbError::WrongKind {
             path: path.to_owned(),
@@ -533,6 +535,19 @@ mod tests {
         let before = std::fs::read(&ours).unwrap();
         assert!(matches!(open(&ours, &KIND, OpenMode::Create), Err(DbError::WrongKind { .. })));
         assert_eq!(std::fs::read(&ours).unwrap(), before);
+    }
+
+    #[test]
+    fn a_deleted_database_with_sidecars_left_is_not_recreated_silently() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.db");
+        let keep = open(&path, &KIND, OpenMode::Create).unwrap();
+        keep.execute("INSERT INTO t(x) VALUES (1)", []).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let err = open(&path, &KIND, OpenMode::Create).unwrap_err();
+        assert!(matches!(err, DbError::Orphaned { .. }), "{err}");
+        assert!(err.to_string().contains("p.db-wal"), "{err}");
+        assert!(!path.exists(), "nothing is created");
     }
 
     #[test]

@@ -190,7 +190,9 @@ fn top_level_numbers(text: &str) -> Vec<&str> {
                 b'}' | b']' => depth = depth.saturating_sub(1),
                 b'-' | b'0'..=b'9' => {
                     let start = i;
-                    while i < bytes.len() && matches!(bytes[i], b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9') {
+                    while i < bytes.len()
+                        && matches!(bytes[i], b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9')
+                    {
                         i += 1;
                     }
                     if depth == 1 {

@@ -207,7 +207,8 @@ where
     let grace = Duration::from_millis(opts.shutdown_grace_ms);
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_service_status(service_name, ServingStatus::Serving).await;
-    let follower = storage.map(|storage| tokio::spawn(follow_storage(reporter.clone(), service_name, storage)));
+    let follower =
+        storage.map(|storage| tokio::spawn(follow_storage(reporter.clone(), service_name, storage)));
     // Advertise only what this server serves (the descriptor set holds both services).
     let reflection = || {
         tonic_reflection::server::Builder::configure()
@@ -275,7 +276,8 @@ async fn follow_storage(
     mut storage: tokio::sync::watch::Receiver<bool>,
 ) {
     loop {
-        let status = if *storage.borrow_and_update() { ServingStatus::Serving } else { ServingStatus::NotServing };
+        let status =
+            if *storage.borrow_and_update() { ServingStatus::Serving } else { ServingStatus::NotServing };
         reporter.set_service_status("", status).await;
         reporter.set_service_status(service_name, status).await;
         if storage.changed().await.is_err() {

@@ -4,10 +4,13 @@
 //! or one restored from an older copy (a highest inbox position below one it answered)
 //! no longer holds are marked unaccepted again, said in one loud line, and sent again (the
 //! consumer answers `DUPLICATE` where it still holds one). No accepted event is lost silently.
+//! `run` repeats the check while idle, since a dead stream only shows on the next send.
 
 use proto::auth::SendToken;
 use proto::pb;
 use proto::pb::consumer_client::ConsumerClient;
+use std::time::{Duration, Instant};
+
 use tonic::transport::Channel;
 
 use crate::Config;
@@ -18,10 +21,15 @@ use crate::pass::RelayError;
 /// recorded as accepted, and records from now on which database accepts each row. A
 /// consumer that does not implement `Identify` (an older build) is relayed to as before,
 /// with a warning: nothing is recorded, so nothing can be checked.
-pub async fn check_consumer_history(channel: Channel, ledger: &Ledger, config: &Config) -> Result<(), RelayError> {
+pub async fn check_consumer_history(
+    channel: Channel,
+    ledger: &Ledger,
+    config: &Config,
+) -> Result<(), RelayError> {
     let producer_database_id = ledger.producer_id().await?;
     let mut client = ConsumerClient::with_interceptor(channel, SendToken::new(config.token.as_deref()));
-    let answer = client.identify(pb::IdentifyRequest { producer_database_id: producer_database_id.clone() }).await;
+    let answer =
+        client.identify(pb::IdentifyRequest { producer_database_id: producer_database_id.clone() }).await;
     let identity = match answer {
         Ok(identity) => identity.into_inner(),
         Err(status) if status.code() == tonic::Code::Unimplemented => {
@@ -65,4 +73,23 @@ pub async fn check_consumer_history(channel: Channel, ledger: &Ledger, config: &
     );
     ledger.set_consumer(Some(identity.database_id));
     Ok(())
+}
+
+/// How often `run` checks the consumer's identity again while it has nothing to send.
+const IDLE_RECHECK: Duration = Duration::from_secs(1);
+
+/// `run` mode, while idle: [`check_consumer_history`] again at most once per second, so a
+/// consumer restarted on a restored or recreated database is noticed even when no row is
+/// left to send (its stream would only fail on the next send).
+pub async fn recheck_when_idle(
+    session: Option<(&Channel, &mut Instant)>,
+    ledger: &Ledger,
+    config: &Config,
+) -> Result<(), RelayError> {
+    let Some((channel, identified_at)) = session else { return Ok(()) };
+    if identified_at.elapsed() < IDLE_RECHECK {
+        return Ok(());
+    }
+    *identified_at = Instant::now();
+    check_consumer_history(channel.clone(), ledger, config).await
 }

@@ -109,7 +109,11 @@ impl Ledger {
     /// In ONE transaction: what `consumer_db` (whose history reaches `highest_position`)
     /// lacks of what the outbox recorded as accepted, marked unaccepted again so it is sent
     /// again. Returns what was found (and unmarked).
-    pub async fn resend_lost(&self, consumer_db: String, highest_position: u64) -> rusqlite::Result<store::LostRows> {
+    pub async fn resend_lost(
+        &self,
+        consumer_db: String,
+        highest_position: u64,
+    ) -> rusqlite::Result<store::LostRows> {
         self.blocking(move |conn, _| {
             let tx = db::begin_immediate(conn)?;
             let lost = store::lost_rows(&tx, &consumer_db, highest_position)?;

@@ -55,18 +55,27 @@ pub enum RelayError {
 struct Session {
     outbound: mpsc::Sender<pb::EventEnvelope>,
     answers: tonic::Streaming<pb::ReceiveResult>,
+    /// For the consumer identity checks while idle (`crate::identity`).
+    channel: Channel,
+    identified_at: Instant,
 }
 
 impl Session {
-    async fn open(channel: Channel, window: usize, config: &Config, ledger: &Ledger) -> Result<Session, RelayError> {
+    async fn open(
+        channel: Channel,
+        window: usize,
+        config: &Config,
+        ledger: &Ledger,
+    ) -> Result<Session, RelayError> {
         crate::identity::check_consumer_history(channel.clone(), ledger, config).await?;
         let (outbound, rx) = mpsc::channel(window.max(1));
-        let answers = ConsumerClient::with_interceptor(channel, SendToken::new(config.token.as_deref()))
-            .receive(ReceiverStream::new(rx))
-            .await
-            .map_err(|s| RelayError::Stream(s.to_string()))?
-            .into_inner();
-        Ok(Session { outbound, answers })
+        let answers =
+            ConsumerClient::with_interceptor(channel.clone(), SendToken::new(config.token.as_deref()))
+                .receive(ReceiverStream::new(rx))
+                .await
+                .map_err(|s| RelayError::Stream(s.to_string()))?
+                .into_inner();
+        Ok(Session { outbound, answers, channel, identified_at: Instant::now() })
     }
 
     async fn send(&self, envelope: pb::EventEnvelope) -> Result<(), RelayError> {
@@ -287,6 +296,10 @@ async fn record(
     Ok(())
 }
 
+fn active_identity(session: &mut Option<Session>) -> Option<(&Channel, &mut Instant)> {
+    session.as_mut().map(|s| (&s.channel, &mut s.identified_at))
+}
+
 fn caps(config: &Config) -> Caps {
     Caps { window: config.window, mark_batch: config.mark_batch, mark_delay: config.mark_delay }
 }
@@ -487,6 +500,14 @@ async fn run_forever(
                     held_back.insert(flow, (Instant::now() + backoff, (backoff * 2).min(config.max_backoff)));
                 }
                 if result.sent == 0 {
+                    // Idle: a consumer restarted on a restored database gets no row to fail on.
+                    if let Err(e) =
+                        crate::identity::recheck_when_idle(active_identity(&mut session), ledger, config)
+                            .await
+                    {
+                        tracing::warn!(error = %e, "consumer identity check failed; reconnecting");
+                        session = None;
+                    }
                     tokio::select! {
                         () = tokio::time::sleep(config.poll_interval) => {}
                         () = &mut watcher => {}

@@ -14,4 +14,5 @@ mod producer;
 mod relay;
 mod scenarios;
 mod security;
+mod storage_faults;
 mod walkthrough;
