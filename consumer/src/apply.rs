@@ -13,6 +13,7 @@ use proto::db::{self, StepFailure};
 use rusqlite::{Connection, Transaction};
 
 use crate::rules::{BlockReason, Decision, Projection, decide_next};
+use crate::storage::StorageWatch;
 use crate::store::{self, InboxState, Next, StepOutcome, StoreError};
 
 /// Default cap of applied steps per transaction (`--apply-batch`).
@@ -26,11 +27,18 @@ pub struct ApplyOptions {
     pub crash: CrashSwitch,
     /// Steps (applied or blocked marks) per transaction; 1 commits each step alone.
     pub max_batch: usize,
+    /// Checked before every commit and told every commit's outcome (none in unit tests).
+    pub storage: Option<&'static StorageWatch>,
 }
 
 impl Default for ApplyOptions {
     fn default() -> Self {
-        ApplyOptions { support_v2: false, crash: CrashSwitch::default(), max_batch: DEFAULT_APPLY_BATCH }
+        ApplyOptions {
+            support_v2: false,
+            crash: CrashSwitch::default(),
+            max_batch: DEFAULT_APPLY_BATCH,
+            storage: None,
+        }
     }
 }
 
@@ -70,7 +78,12 @@ pub struct ApplyFailure {
 /// Locks the shared connection. A panic while holding the lock rolled its transaction back
 /// on unwind; the connection itself is still usable.
 pub fn lock(conn: &Mutex<Connection>) -> MutexGuard<'_, Connection> {
-    conn.lock().unwrap_or_else(|p| p.into_inner())
+    lock_any(conn)
+}
+
+/// Locks any mutex whose data stays valid when a holder panicked.
+pub fn lock_any<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Applies `flow_id`'s exact next seqs, up to `max_steps`, in transactions of up to
@@ -173,6 +186,9 @@ pub fn apply_flows(
         let tx = match db::begin_immediate(&mut guard) {
             Ok(tx) => tx,
             Err(e) => {
+                if let Some(watch) = opts.storage {
+                    watch.commit_failed(&StoreError::Sqlite(db::copy_error(&e)));
+                }
                 // No write lock (busy past the timeout, or worse): every flow not yet done fails.
                 for run in &mut runs[next..] {
                     run.end = Some(Err(StoreError::Sqlite(db::copy_error(&e))));
@@ -221,13 +237,26 @@ pub fn apply_flows(
             drop(tx);
             Err(e)
         } else if wrote_any {
-            tx.commit().map_err(StoreError::Sqlite)
+            match opts.storage.map_or(Ok(()), |watch| watch.before_commit()) {
+                Ok(()) => tx.commit().map_err(StoreError::Sqlite),
+                Err(refused) => {
+                    drop(tx);
+                    Err(refused)
+                }
+            }
         } else {
             // Nothing written: dropping the transaction releases the lock.
             drop(tx);
             Ok(())
         };
         drop(guard);
+        if let Some(watch) = opts.storage {
+            match &finished {
+                Ok(()) if wrote_any => watch.commit_succeeded(),
+                Ok(()) => {}
+                Err(e) => watch.commit_failed(e),
+            }
+        }
         match finished {
             Ok(()) => {
                 for run in &mut runs {
@@ -254,7 +283,12 @@ pub fn apply_flows(
                 Some(Ok((stop, projection))) => {
                     Ok(ApplyReport { flow_id: run.flow_id.clone(), applied: run.committed, stop, projection })
                 }
-                Some(Err(source)) => Err(ApplyFailure { applied: run.committed, source }),
+                Some(Err(source)) => {
+                    if let Some(watch) = opts.storage {
+                        watch.commit_failed(&source);
+                    }
+                    Err(ApplyFailure { applied: run.committed, source })
+                }
                 None => Err(ApplyFailure {
                     applied: run.committed,
                     source: StoreError::Inconsistent("apply stopped before this flow was reached".into()),
@@ -269,6 +303,7 @@ fn copy_store_error(e: &StoreError) -> StoreError {
     match e {
         StoreError::Sqlite(e) => StoreError::Sqlite(db::copy_error(e)),
         StoreError::Inconsistent(msg) => StoreError::Inconsistent(msg.clone()),
+        StoreError::FileReplaced(msg) => StoreError::FileReplaced(msg.clone()),
     }
 }
 

@@ -7,6 +7,7 @@ pub mod receive;
 pub mod request;
 pub mod rules;
 pub mod service;
+pub mod storage;
 pub mod store;
 
 pub use service::{Config, ConsumerService, OpenError, run};

@@ -16,6 +16,7 @@ use tonic::Status;
 
 use crate::apply::{self, ApplyOptions};
 use crate::request::DEFAULT_MAX_STEPS;
+use crate::storage::StorageWatch;
 use crate::store::{self, ReceiveOutcome};
 
 /// Default cap of envelopes per Receive transaction (`--max-batch`).
@@ -41,11 +42,19 @@ impl StreamState {
     }
 }
 
+/// What the writer decided for one envelope, and where the event sits in this database's
+/// history (its inbox position; 0 when nothing is stored under its id).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Received {
+    pub outcome: ReceiveOutcome,
+    pub position: u64,
+}
+
 /// One envelope that passed the transport limits, queued for the writer.
 pub struct ReceiveJob {
     pub event: Event,
     pub stream: Arc<StreamState>,
-    pub reply: oneshot::Sender<Result<ReceiveOutcome, Status>>,
+    pub reply: oneshot::Sender<Result<Received, Status>>,
 }
 
 /// How the writer runs.
@@ -60,6 +69,12 @@ pub struct WriterOptions {
     pub admission: store::Admission,
 }
 
+impl WriterOptions {
+    fn storage(&self) -> Option<&'static StorageWatch> {
+        self.apply.storage
+    }
+}
+
 /// Starts the writer thread. In auto-apply mode it first applies whatever earlier runs left
 /// accepted but unapplied (a crash between a Receive commit and its apply, say).
 pub fn spawn(conn: Arc<Mutex<Connection>>, opts: WriterOptions) -> std::io::Result<mpsc::Sender<ReceiveJob>> {
@@ -72,12 +87,14 @@ pub fn spawn(conn: Arc<Mutex<Connection>>, opts: WriterOptions) -> std::io::Resu
     }
     proto::group::spawn_writer("receive-writer", opts.max_batch, queue, move |jobs: Vec<ReceiveJob>| {
         let started = std::time::Instant::now();
-        let results = receive_batch(&mut apply::lock(&conn), &jobs, &opts.apply.crash, opts.admission);
+        let results =
+            receive_batch(&mut apply::lock(&conn), &jobs, &opts.apply.crash, opts.admission, opts.storage());
         let committed = started.elapsed();
         let batch_len = jobs.len();
         let mut touched = BTreeSet::new();
         for (job, result) in jobs.into_iter().zip(results) {
-            if matches!(result, Ok(ReceiveOutcome::Accepted | ReceiveOutcome::Duplicate)) {
+            if matches!(&result, Ok(r) if matches!(r.outcome, ReceiveOutcome::Accepted | ReceiveOutcome::Duplicate))
+            {
                 touched.insert(job.event.flow_id);
             }
             // The stream may have ended meanwhile (client gone); its answer is moot.
@@ -121,7 +138,10 @@ fn auto_apply(conn: &Mutex<Connection>, flows: Vec<String>, opts: ApplyOptions) 
 fn log_failures(results: &[apply::FlowResult]) {
     for r in results {
         if let Err(failure) = &r.outcome {
-            tracing::warn!(flow_id = %r.flow_id, error = %failure, "auto-apply: flow failed; retried with its next event");
+            tracing::warn!(
+                flow_id = %r.flow_id, error = %failure,
+                "auto-apply: flow failed; retried with its next event, or once storage commits again"
+            );
         }
     }
 }
@@ -138,8 +158,14 @@ pub fn receive_batch(
     jobs: &[ReceiveJob],
     crash: &CrashSwitch,
     admission: store::Admission,
-) -> Vec<Result<ReceiveOutcome, Status>> {
-    let fail_all = |status: Status| -> Vec<Result<ReceiveOutcome, Status>> {
+    storage: Option<&StorageWatch>,
+) -> Vec<Result<Received, Status>> {
+    let report = |e: &store::StoreError| {
+        if let Some(watch) = storage {
+            watch.commit_failed(e);
+        }
+    };
+    let fail_all = |status: Status| -> Vec<Result<Received, Status>> {
         jobs.iter()
             .map(|job| {
                 job.stream.fail();
@@ -149,7 +175,11 @@ pub fn receive_batch(
     };
     let tx = match db::begin_immediate(conn) {
         Ok(tx) => tx,
-        Err(e) => return fail_all(storage_status("receive", &e)),
+        Err(e) => {
+            let status = storage_status("receive", &e);
+            report(&store::StoreError::Sqlite(e));
+            return fail_all(status);
+        }
     };
     let mut results = Vec::with_capacity(jobs.len());
     let mut inserted = false;
@@ -159,20 +189,31 @@ pub fn receive_batch(
             continue;
         }
         let now = crate::now_us();
-        match db::in_savepoint(&tx, |tx| store::insert_pending(tx, &job.event, now, admission)) {
-            Ok(outcome) => {
-                if outcome == ReceiveOutcome::Accepted {
+        let decided = db::in_savepoint(&tx, |tx| {
+            let outcome = store::insert_pending(tx, &job.event, now, admission)?;
+            let position = match outcome {
+                ReceiveOutcome::Accepted => u64::try_from(tx.last_insert_rowid()).unwrap_or(0),
+                ReceiveOutcome::Duplicate => store::inbox_position(tx, &job.event.event_id)?.unwrap_or(0),
+                _ => 0,
+            };
+            Ok::<_, store::StoreError>(Received { outcome, position })
+        });
+        match decided {
+            Ok(received) => {
+                if received.outcome == ReceiveOutcome::Accepted {
                     inserted = true;
                     crash.reach(CrashPoint::ConsumerReceiveAfterInsert);
                 }
-                results.push(Ok(outcome));
+                results.push(Ok(received));
             }
             Err(StepFailure::RolledBack(e)) => {
+                report(&e);
                 job.stream.fail();
                 results.push(Err(crate::service::store_status("receive", &e)));
             }
             Err(StepFailure::TransactionLost(e)) => {
                 drop(tx);
+                report(&e);
                 return fail_all(crate::service::store_status("receive", &e));
             }
         }
@@ -181,8 +222,18 @@ pub fn receive_batch(
         // Nothing was written; dropping the transaction releases the lock.
         return results;
     }
+    if let Some(refused) = storage.map_or(Ok(()), |watch| watch.before_commit()).err() {
+        drop(tx);
+        report(&refused);
+        return fail_all(crate::service::store_status("receive commit", &refused));
+    }
     if let Err(e) = tx.commit() {
-        return fail_all(storage_status("receive commit", &e));
+        let status = storage_status("receive commit", &e);
+        report(&store::StoreError::Sqlite(e));
+        return fail_all(status);
+    }
+    if let Some(watch) = storage {
+        watch.commit_succeeded();
     }
     crash.reach(CrashPoint::ConsumerReceiveAfterCommit);
     results
@@ -216,11 +267,11 @@ mod tests {
             .collect()
     }
 
-    fn words(results: &[Result<ReceiveOutcome, Status>]) -> Vec<String> {
+    fn words(results: &[Result<Received, Status>]) -> Vec<String> {
         results
             .iter()
             .map(|r| match r {
-                Ok(o) => format!("{o:?}"),
+                Ok(o) => format!("{:?}", o.outcome),
                 Err(s) => format!("{:?}", s.code()),
             })
             .collect()
@@ -239,7 +290,8 @@ mod tests {
             (event("X", "A", 1, 3), &s),
             (event("B1", "B", 1, 3), &s),
         ]);
-        let results = receive_batch(&mut conn, &batch, &CrashSwitch::default(), store::Admission::Unlimited);
+        let results =
+            receive_batch(&mut conn, &batch, &CrashSwitch::default(), store::Admission::Unlimited, None);
         assert_eq!(
             words(&results),
             ["Accepted", "Duplicate", "IdConflict", "SequenceConflict { held_by: \"A1\" }", "Accepted"]
@@ -267,7 +319,8 @@ mod tests {
             (event("C1", "C", 1, 3), &one),
             (event("D1", "D", 1, 3), &two),
         ]);
-        let results = receive_batch(&mut conn, &batch, &CrashSwitch::default(), store::Admission::Unlimited);
+        let results =
+            receive_batch(&mut conn, &batch, &CrashSwitch::default(), store::Admission::Unlimited, None);
         assert_eq!(words(&results), ["Accepted", "Internal", "Aborted", "Accepted"]);
         assert!(results[1].as_ref().unwrap_err().message().contains("inbox insert rejected"));
         assert!(one.failed() && !two.failed());

@@ -17,9 +17,10 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::apply::{self, ApplyFailure, ApplyOptions, ApplyReport, Stop};
-use crate::receive::{self, ReceiveJob, StreamState, WriterOptions};
+use crate::receive::{self, ReceiveJob, Received, StreamState, WriterOptions};
 use crate::request;
 use crate::rules::{BlockReason, Waiting, why_waiting};
+use crate::storage::StorageWatch;
 use crate::store::{self, EffectRecord, InboxRecord, ReceiveOutcome, StoreError};
 
 /// What the consumer needs to run (validated flags).
@@ -46,6 +47,8 @@ pub enum OpenError {
     Db(#[from] db::DbError),
     #[error("cannot start the writer thread: {0}")]
     Writer(#[from] std::io::Error),
+    #[error("cannot read the consumer database identity: {0}")]
+    Identity(String),
 }
 
 /// Answers buffered per `Receive` stream before the reader waits for the client.
@@ -63,12 +66,13 @@ pub struct ConsumerService {
     opts: ApplyOptions,
     writer: mpsc::Sender<ReceiveJob>,
     stopping: Arc<watch::Sender<bool>>,
+    storage: &'static StorageWatch,
 }
 
 /// One envelope of a stream, in read order: answered already, or waiting for its commit.
 enum Pending {
     Ready(Answer),
-    Waiting { event: EventRef, answer: oneshot::Receiver<Result<ReceiveOutcome, Status>> },
+    Waiting { event: EventRef, answer: oneshot::Receiver<Result<Received, Status>> },
 }
 
 /// What an answer says about its envelope.
@@ -95,12 +99,21 @@ impl ConsumerService {
             auto_apply = config.auto_apply,
             "consumer database open"
         );
+        let identity = store::identity(&conn).map_err(|e| OpenError::Identity(e.to_string()))?;
+        tracing::info!(
+            database_id = %identity.database_id,
+            highest_inbox_position = identity.highest_position,
+            "consumer database identity"
+        );
+        let storage = StorageWatch::new(&config.db).leak();
         let conn = Arc::new(Mutex::new(conn));
         let opts = ApplyOptions {
             support_v2: config.support_v2,
             crash: config.crash,
             max_batch: config.apply_batch,
+            storage: Some(storage),
         };
+        storage.spawn_recovery(Arc::clone(&conn), config.auto_apply.then_some(opts))?;
         let writer = receive::spawn(
             Arc::clone(&conn),
             WriterOptions {
@@ -110,7 +123,7 @@ impl ConsumerService {
                 admission: config.admission,
             },
         )?;
-        Ok(ConsumerService { conn, opts, writer, stopping: Arc::new(watch::channel(false).0) })
+        Ok(ConsumerService { conn, opts, writer, stopping: Arc::new(watch::channel(false).0), storage })
     }
 
     /// Runs `f` with the connection on a blocking thread (SQLite never blocks the runtime).
@@ -151,7 +164,7 @@ impl ConsumerService {
             let answer = match next {
                 Pending::Ready(answer) => answer,
                 Pending::Waiting { event, answer } => match answer.await {
-                    Ok(Ok(outcome)) => Ok(receive_result(event, &outcome)),
+                    Ok(Ok(received)) => Ok(receive_result(event, &received)),
                     Ok(Err(status)) => Err(status),
                     Err(_) => Err(Status::unavailable("receive: the writer thread stopped (shutting down?)")),
                 },
@@ -204,6 +217,7 @@ impl ConsumerService {
                     event_id: envelope.event_id,
                     outcome: pb::ReceiveOutcome::Rejected as i32,
                     detail: limit.to_string(),
+                    inbox_position: 0,
                 })),
                 Ok(event) => {
                     let event_ref = EventRef {
@@ -230,7 +244,8 @@ impl ConsumerService {
 }
 
 /// The wire answer for a stored decision.
-fn receive_result(event: EventRef, outcome: &ReceiveOutcome) -> pb::ReceiveResult {
+fn receive_result(event: EventRef, received: &Received) -> pb::ReceiveResult {
+    let outcome = &received.outcome;
     tracing::debug!(event_id = %event.event_id, flow_id = %event.flow_id, seq = event.seq, ?outcome, "receive");
     let detail = match outcome {
         ReceiveOutcome::Accepted | ReceiveOutcome::Duplicate => String::new(),
@@ -242,7 +257,12 @@ fn receive_result(event: EventRef, outcome: &ReceiveOutcome) -> pb::ReceiveResul
             format!("backlog full: {unapplied} unapplied rows; nothing stored, send it again later")
         }
     };
-    pb::ReceiveResult { event_id: event.event_id, outcome: pb::ReceiveOutcome::from(outcome) as i32, detail }
+    pb::ReceiveResult {
+        event_id: event.event_id,
+        outcome: pb::ReceiveOutcome::from(outcome) as i32,
+        detail,
+        inbox_position: received.position,
+    }
 }
 
 type Answer = Result<pb::ReceiveResult, Status>;
@@ -256,6 +276,7 @@ pub async fn run(
     settings: &proto::serve::ServerSettings,
 ) -> Result<(), tonic::transport::Error> {
     let stopping = Arc::clone(&service.stopping);
+    let storage = service.storage.serving();
     let shutdown = async move {
         shutdown.await;
         stopping.send_replace(true);
@@ -263,8 +284,15 @@ pub async fn run(
     let svc = pb::consumer_server::ConsumerServer::new(service)
         .max_decoding_message_size(settings.max_message_bytes());
     let svc = tonic::service::interceptor::InterceptedService::new(svc, settings.require_token());
-    proto::serve::serve(listener, "ordered_events.v1.Consumer", |r| r.add_service(svc), shutdown, settings)
-        .await
+    proto::serve::serve_with_health(
+        listener,
+        "ordered_events.v1.Consumer",
+        |r| r.add_service(svc),
+        shutdown,
+        settings,
+        Some(storage),
+    )
+    .await
 }
 
 /// The one mapping of store failures to statuses: busy is `UNAVAILABLE` (retryable),
@@ -273,6 +301,7 @@ pub(crate) fn store_status(what: &str, e: &StoreError) -> Status {
     match e {
         StoreError::Sqlite(e) => storage_status(what, e),
         StoreError::Inconsistent(msg) => Status::internal(format!("{what}: {msg}")),
+        StoreError::FileReplaced(msg) => Status::internal(format!("{what}: storage failure: {msg}")),
     }
 }
 
@@ -296,6 +325,20 @@ impl From<&ReceiveOutcome> for pb::ReceiveOutcome {
             ReceiveOutcome::IdConflict => pb::ReceiveOutcome::IdConflict,
             ReceiveOutcome::SequenceConflict { .. } => pb::ReceiveOutcome::SequenceConflict,
             ReceiveOutcome::BacklogFull { .. } => pb::ReceiveOutcome::BacklogFull,
+        }
+    }
+}
+
+/// Why a flow waits, as ListStuck reports it. A ready flow (its next row stored and not
+/// blocked) is `LIMIT`: exactly what an `Apply` that ran out of steps before that row says —
+/// nothing stops it except that no `Apply` has reached it yet (auto-apply off, or an apply
+/// that failed and is retried once storage commits again).
+impl From<Waiting> for pb::ApplyStop {
+    fn from(w: Waiting) -> Self {
+        match w {
+            Waiting::Ready => pb::ApplyStop::Limit,
+            Waiting::Gap { .. } => pb::ApplyStop::Gap,
+            Waiting::Blocked(_) => pb::ApplyStop::Blocked,
         }
     }
 }
@@ -439,6 +482,32 @@ impl pb::consumer_server::Consumer for ConsumerService {
         }))
     }
 
+    async fn identify(
+        &self,
+        request: Request<pb::IdentifyRequest>,
+    ) -> Result<Response<pb::IdentifyResponse>, Status> {
+        let producer = request.into_inner().producer_database_id;
+        let storage = self.storage;
+        let identity = self
+            .with_conn(move |conn| {
+                // A database deleted or replaced under us must not vouch for its history.
+                storage.before_commit().map_err(|e| store_status("identify", &e))?;
+                let tx = conn.transaction().map_err(|e| storage_status("identify", &e))?;
+                store::identity(&tx).map_err(|e| store_status("identify", &e))
+            })
+            .await?;
+        tracing::info!(
+            producer_database_id = %producer,
+            database_id = %identity.database_id,
+            highest_inbox_position = identity.highest_position,
+            "relay identified this consumer database"
+        );
+        Ok(Response::new(pb::IdentifyResponse {
+            database_id: identity.database_id,
+            highest_inbox_position: identity.highest_position,
+        }))
+    }
+
     async fn list_stuck(
         &self,
         request: Request<pb::ListStuckRequest>,
@@ -458,14 +527,12 @@ impl pb::consumer_server::Consumer for ConsumerService {
                     waiting_rows: b.waiting_rows,
                     ..Default::default()
                 };
-                match why_waiting(&b.projection, b.lowest.seq, b.lowest.reason) {
-                    Waiting::Ready => stuck.why = pb::ApplyStop::Limit as i32,
-                    Waiting::Gap { waiting_for_seq } => {
-                        stuck.why = pb::ApplyStop::Gap as i32;
-                        stuck.waiting_for_seq = waiting_for_seq;
-                    }
+                let waiting = why_waiting(&b.projection, b.lowest.seq, b.lowest.reason);
+                stuck.why = pb::ApplyStop::from(waiting) as i32;
+                match waiting {
+                    Waiting::Ready => {}
+                    Waiting::Gap { waiting_for_seq } => stuck.waiting_for_seq = waiting_for_seq,
                     Waiting::Blocked(reason) => {
-                        stuck.why = pb::ApplyStop::Blocked as i32;
                         stuck.reason = pb::BlockReason::from(reason) as i32;
                         stuck.blocked_seq = b.lowest.seq;
                         stuck.blocked_event_id = b.lowest.event_id;
@@ -476,5 +543,20 @@ impl pb::consumer_server::Consumer for ConsumerService {
             })
             .collect();
         Ok(Response::new(pb::ListStuckResponse { flows, unapplied_rows: total }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_waiting_reason_has_its_stop() {
+        assert_eq!(pb::ApplyStop::from(Waiting::Ready), pb::ApplyStop::Limit);
+        assert_eq!(pb::ApplyStop::from(Waiting::Gap { waiting_for_seq: 2 }), pb::ApplyStop::Gap);
+        assert_eq!(
+            pb::ApplyStop::from(Waiting::Blocked(BlockReason::InvalidPayload)),
+            pb::ApplyStop::Blocked
+        );
     }
 }

@@ -13,13 +13,31 @@ use rusqlite::{Connection, OptionalExtension, Transaction, params};
 
 use crate::rules::{BlockReason, Projection};
 
-/// consumer.db: identity and schema (version 1).
+/// consumer.db: identity and schema (version 2: version 1 plus the database identity; a new
+/// file gets version 1's schema and then every upgrade).
 pub const KIND: DbKind = DbKind {
     name: "consumer",
     application_id: db::CONSUMER_APPLICATION_ID,
-    user_version: 1,
+    user_version: 2,
     schema_sql: SCHEMA,
+    upgrades: &[IDENTITY_SQL],
 };
+
+/// The database's identity, created with it: a random id that a copy restored from a backup
+/// keeps, and a recreated database does not. The inbox's rowid is the position of an
+/// accepted row in this database's history (rows are never deleted), so "how far the durable
+/// history reaches" is its highest rowid.
+const IDENTITY_SQL: &str = "
+CREATE TABLE database_identity(
+    id INTEGER PRIMARY KEY CHECK(id = 1),
+    database_id TEXT NOT NULL,
+    created_at_us INTEGER NOT NULL,
+    -- Written by the storage probe while commits fail; nothing reads it.
+    probed_at_us INTEGER
+);
+INSERT INTO database_identity(id, database_id, created_at_us)
+VALUES (1, lower(hex(randomblob(16))), CAST((julianday('now') - 2440587.5) * 86400000000 AS INTEGER));
+";
 
 const SCHEMA: &str = "
 CREATE TABLE inbox(
@@ -80,6 +98,9 @@ pub enum StoreError {
     /// The file holds something this module never writes (edited by hand, or a bug).
     #[error("consumer.db is inconsistent: {0}")]
     Inconsistent(String),
+    /// The file at the database's path is no longer the one this process has open.
+    #[error("{0}")]
+    FileReplaced(String),
 }
 
 /// Result of a store call.
@@ -225,6 +246,40 @@ fn stored_outcome(tx: &Transaction<'_>, event: &Event, body: &str) -> Result<Opt
         .query_row(params![event.flow_id, event.seq], |r| r.get(0))
         .optional()?;
     Ok(holder.map(|held_by| ReceiveOutcome::SequenceConflict { held_by }))
+}
+
+/// This database's identity and how far its durable history reaches.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Identity {
+    /// The random id created with the database.
+    pub database_id: String,
+    /// The highest inbox position (rowid); 0 for an empty inbox.
+    pub highest_position: u64,
+}
+
+/// Reads the identity and the highest inbox position (run it in one read transaction).
+pub fn identity(conn: &Connection) -> Result<Identity> {
+    let database_id: String = conn
+        .prepare_cached("SELECT database_id FROM database_identity WHERE id = 1")?
+        .query_row([], |r| r.get(0))?;
+    let highest_position: u64 =
+        conn.prepare_cached("SELECT coalesce(max(rowid), 0) FROM inbox")?.query_row([], |r| r.get(0))?;
+    Ok(Identity { database_id, highest_position })
+}
+
+/// The inbox position of a stored event (its rowid), if stored.
+pub fn inbox_position(conn: &Connection, event_id: &str) -> Result<Option<u64>> {
+    Ok(conn
+        .prepare_cached("SELECT rowid FROM inbox WHERE event_id = ?1")?
+        .query_row([event_id], |r| r.get(0))
+        .optional()?)
+}
+
+/// Inside the caller's `BEGIN IMMEDIATE` transaction: the storage probe's write (a real
+/// page change, so its commit meets the same disk as any other).
+pub fn touch_probe(tx: &Transaction<'_>, now_us: i64) -> Result<()> {
+    tx.prepare_cached("UPDATE database_identity SET probed_at_us = ?1 WHERE id = 1")?.execute([now_us])?;
+    Ok(())
 }
 
 /// Unapplied (pending + blocked) inbox rows, from the trigger-kept counter.

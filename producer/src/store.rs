@@ -11,13 +11,36 @@ use rusqlite::{Connection, OptionalExtension, Transaction, params};
 
 use crate::request::AdvanceCommand;
 
-/// producer.db: identity and schema (version 1).
+/// producer.db: identity and schema (version 2: version 1, then the database identity and
+/// which consumer database accepted each row, at which position).
 pub const KIND: DbKind = DbKind {
     name: "producer",
     application_id: db::PRODUCER_APPLICATION_ID,
-    user_version: 1,
+    user_version: 2,
     schema_sql: SCHEMA,
+    upgrades: &[IDENTITY_SQL],
 };
+
+/// Version 2: the database's random identity, and on every accepted outbox row the consumer
+/// database that accepted it and the inbox position it answered, so a relay can tell when
+/// that consumer lost history (recreated: another id; restored from a backup: a highest
+/// position below one it answered) and send the lost rows again.
+const IDENTITY_SQL: &str = "
+CREATE TABLE database_identity(
+    id INTEGER PRIMARY KEY CHECK(id = 1),
+    database_id TEXT NOT NULL,
+    created_at_us INTEGER NOT NULL
+);
+INSERT INTO database_identity(id, database_id, created_at_us)
+VALUES (1, lower(hex(randomblob(16))), CAST((julianday('now') - 2440587.5) * 86400000000 AS INTEGER));
+ALTER TABLE outbox ADD COLUMN accepted_by TEXT;
+ALTER TABLE outbox ADD COLUMN accepted_position INTEGER;
+CREATE INDEX outbox_accepted_by ON outbox(accepted_by, accepted_position) WHERE accepted = 1;
+-- A row sent again because its consumer lost it counts as unaccepted again.
+CREATE TRIGGER backlog_unmarked AFTER UPDATE OF accepted ON outbox
+WHEN old.accepted = 1 AND new.accepted = 0
+BEGIN UPDATE backlog SET unaccepted = unaccepted + 1 WHERE id = 1; END;
+";
 
 const SCHEMA: &str = "
 CREATE TABLE flow(
@@ -349,6 +372,79 @@ pub fn record_unanswered_send(tx: &Transaction<'_>, event_id: &str) -> rusqlite:
     let mut stmt = tx
         .prepare_cached("UPDATE outbox SET attempts = attempts + 1, last_outcome = ?2 WHERE event_id = ?1")?;
     Ok(stmt.execute(params![event_id, NO_ANSWER])? == 1)
+}
+
+/// This producer database's random identity, created with it.
+pub fn database_id(conn: &Connection) -> rusqlite::Result<String> {
+    conn.prepare_cached("SELECT database_id FROM database_identity WHERE id = 1")?.query_row([], |r| r.get(0))
+}
+
+/// Inside a relay's transaction, after `record_delivery` marked `event_id` accepted: which
+/// consumer database holds it and at which inbox position.
+pub fn record_accepted_by(
+    tx: &Transaction<'_>,
+    event_id: &str,
+    consumer_db: &str,
+    position: u64,
+) -> rusqlite::Result<()> {
+    tx.prepare_cached(
+        "UPDATE outbox SET accepted_by = ?2, accepted_position = ?3 WHERE event_id = ?1 AND accepted = 1",
+    )?
+    .execute(params![event_id, consumer_db, position])?;
+    Ok(())
+}
+
+/// Accepted rows the consumer database `consumer_db`, whose history reaches
+/// `highest_position`, no longer holds: rows another consumer database accepted, and rows
+/// this one accepted at a later position (it was restored from an older copy). Rows accepted
+/// before positions were recorded are not counted (nothing is known about them).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LostRows {
+    /// Rows accepted by another consumer database.
+    pub other_database: u64,
+    /// Rows this consumer database accepted beyond its history.
+    pub beyond_history: u64,
+    /// The highest position this consumer database answered.
+    pub highest_recorded: u64,
+    /// A few of the lost rows' event ids, for the log.
+    pub sample: Vec<String>,
+}
+
+const LOST_WHERE: &str = "accepted = 1 AND accepted_by IS NOT NULL
+     AND (accepted_by <> ?1 OR accepted_position > ?2)";
+
+/// What `consumer_db` at `highest_position` lacks of what the outbox recorded as accepted.
+pub fn lost_rows(conn: &Connection, consumer_db: &str, highest_position: u64) -> rusqlite::Result<LostRows> {
+    let other_database = conn
+        .prepare_cached("SELECT count(*) FROM outbox WHERE accepted = 1 AND accepted_by IS NOT NULL AND accepted_by <> ?1")?
+        .query_row([consumer_db], |r| r.get(0))?;
+    let (beyond_history, highest_recorded) = conn
+        .prepare_cached(
+            "SELECT count(*) FILTER (WHERE accepted_position > ?2), coalesce(max(accepted_position), 0)
+             FROM outbox WHERE accepted = 1 AND accepted_by = ?1",
+        )?
+        .query_row(params![consumer_db, highest_position], |r| Ok((r.get(0)?, r.get(1)?)))?;
+    let sample = conn
+        .prepare_cached(&format!(
+            "SELECT event_id FROM outbox WHERE {LOST_WHERE} ORDER BY flow_id, seq LIMIT 5"
+        ))?
+        .query_map(params![consumer_db, highest_position], |r| r.get(0))?
+        .collect::<rusqlite::Result<_>>()?;
+    Ok(LostRows { other_database, beyond_history, highest_recorded, sample })
+}
+
+/// Inside a relay's transaction: marks every row [`lost_rows`] counts unaccepted again (its
+/// `last_outcome` says why), so it is sent again; the consumer answers `DUPLICATE` where it
+/// still holds one. Returns how many rows changed.
+pub fn unmark_lost(tx: &Transaction<'_>, consumer_db: &str, highest_position: u64) -> rusqlite::Result<u64> {
+    let changed = tx
+        .prepare_cached(&format!(
+            "UPDATE outbox SET accepted = 0, accepted_at_us = NULL, accepted_by = NULL,
+                 accepted_position = NULL, last_outcome = 'LOST_BY_CONSUMER'
+             WHERE {LOST_WHERE}"
+        ))?
+        .execute(params![consumer_db, highest_position])?;
+    Ok(changed as u64)
 }
 
 /// Unaccepted outbox rows, from the trigger-kept counter.

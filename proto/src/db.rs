@@ -22,8 +22,12 @@ pub struct DbKind {
     pub application_id: i32,
     /// `PRAGMA user_version`: the schema version this build writes and reads.
     pub user_version: i32,
-    /// DDL run once, inside `BEGIN IMMEDIATE`, on a new empty file.
+    /// DDL of schema version 1, run once, inside `BEGIN IMMEDIATE`, on a new empty file,
+    /// followed there by every upgrade.
     pub schema_sql: &'static str,
+    /// `upgrades[i]` moves schema version `i + 1` to `i + 2` (run inside one
+    /// `BEGIN IMMEDIATE` with the rest of the upgrade).
+    pub upgrades: &'static [&'static str],
 }
 
 /// The producer's database (`OEPR`).
@@ -55,6 +59,12 @@ pub enum DbError {
     Newer { path: PathBuf, kind: &'static str, found: i32, supported: i32 },
     #[error("{path}: has not been created by the {kind} yet (start the {kind} once first)")]
     NotInitialised { path: PathBuf, kind: &'static str },
+    #[error(
+        "{path}: missing, but {leftovers} of a {kind} database that was here remain: it was deleted or \
+         moved, and whatever it held is lost from this side. Restore it, or remove these files to start \
+         a fresh {kind} database deliberately (a relay then re-sends what the new one lacks)"
+    )]
+    Orphaned { path: PathBuf, kind: &'static str, leftovers: String },
 }
 
 /// The settings a connection actually runs with, for the start-up log.
@@ -73,6 +83,16 @@ pub fn open(path: &Path, kind: &DbKind, mode: OpenMode) -> Result<Connection, Db
     if mode == OpenMode::Existing && !path.exists() {
         return Err(DbError::Missing { path: path.to_owned(), kind: kind.name });
     }
+    let orphans = orphan_sidecars(path);
+    if mode == OpenMode::Create && !orphans.is_empty() {
+        // SQLite would read the old WAL into the new file; and a fresh database where one
+        // was expected must be the operator's decision, not a silent side effect.
+        return Err(DbError::Orphaned {
+            path: path.to_owned(),
+            kind: kind.name,
+            leftovers: orphans.join(", "),
+        });
+    }
     let mut flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
     if mode == OpenMode::Create {
         flags |= OpenFlags::SQLITE_OPEN_CREATE;
@@ -82,13 +102,98 @@ pub fn open(path: &Path, kind: &DbKind, mode: OpenMode) -> Result<Connection, Db
     // Every store statement stays prepared: a group-committed batch runs the same dozen or so
     // statements per step, and re-parsing them would cost more than the writes.
     conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
-    // WAL is a property of the file; setting it on a file that is not a database fails here
-    // with SQLite's own "file is not a database".
+    // The identity is read before anything is set: WAL is a property of the file, and a
+    // process must not change a file it is about to refuse. Reading a file that is not a
+    // database at all fails here with SQLite's own "file is not a database".
+    let found = refuse_foreign(&conn, path, kind, mode)?;
     conn.pragma_update(None, "journal_mode", "WAL").map_err(sqlite)?;
     conn.pragma_update(None, "synchronous", "FULL").map_err(sqlite)?;
     conn.pragma_update(None, "foreign_keys", "ON").map_err(sqlite)?;
-    check_identity(&mut conn, path, kind, mode)?;
+    match found {
+        Found::Empty => create_schema(&mut conn, path, kind)?,
+        Found::Older => upgrade_schema(&mut conn, path, kind)?,
+        Found::Current => {}
+    }
+    check_identity(&conn, path, kind)?;
     Ok(conn)
+}
+
+/// The `-wal`/`-shm` files beside `path` when `path` itself is missing: the traces of a
+/// database deleted while its sidecars stayed.
+fn orphan_sidecars(path: &Path) -> Vec<String> {
+    if path.exists() {
+        return Vec::new();
+    }
+    ["-wal", "-shm"]
+        .iter()
+        .map(|suffix| {
+            let mut name = path.as_os_str().to_owned();
+            name.push(suffix);
+            PathBuf::from(name)
+        })
+        .filter(|p| p.exists())
+        .map(|p| p.display().to_string())
+        .collect()
+}
+
+/// What [`refuse_foreign`] found in a file it does not refuse.
+enum Found {
+    /// No identity and no tables: the schema may be created.
+    Empty,
+    /// This kind at an older schema version this build knows how to upgrade.
+    Older,
+    /// This kind at this build's version.
+    Current,
+}
+
+/// Reads the file's identity without writing anything: refuses a file of another kind, a
+/// newer schema or one older than this build can upgrade, or (in `Create` mode) a file with
+/// tables and no identity.
+fn refuse_foreign(conn: &Connection, path: &Path, kind: &DbKind, mode: OpenMode) -> Result<Found, DbError> {
+    let sqlite = |source| DbError::Sqlite { path: path.to_owned(), source };
+    let (app_id, version) = identity(conn).map_err(sqlite)?;
+    if app_id != 0 {
+        if app_id == kind.application_id && upgradable(kind, version) {
+            return Ok(Found::Older);
+        }
+        return check_known(app_id, version, path, kind).map(|()| Found::Current);
+    }
+    if mode == OpenMode::Existing {
+        return Err(DbError::NotInitialised { path: path.to_owned(), kind: kind.name });
+    }
+    let tables: i64 =
+        conn.query_row("SELECT count(*) FROM sqlite_schema", [], |r| r.get(0)).map_err(sqlite)?;
+    if tables > 0 {
+        return Err(DbError::WrongKind {
+            path: path.to_owned(),
+            kind: kind.name,
+            what: format!("it already has {tables} schema objects and no application_id"),
+        });
+    }
+    Ok(Found::Empty)
+}
+
+/// Whether `version` is older than `kind`'s and every step from it is in `kind.upgrades`.
+fn upgradable(kind: &DbKind, version: i32) -> bool {
+    version >= 1 && version < kind.user_version && kind.user_version - 1 <= kind.upgrades.len() as i32
+}
+
+/// Upgrades an older schema step by step in ONE `BEGIN IMMEDIATE` transaction (the version
+/// is read again under the write lock: another process may have upgraded it meanwhile).
+fn upgrade_schema(conn: &mut Connection, path: &Path, kind: &DbKind) -> Result<(), DbError> {
+    let sqlite = |source| DbError::Sqlite { path: path.to_owned(), source };
+    let tx = begin_immediate(conn).map_err(sqlite)?;
+    let (_, from) = identity(&tx).map_err(sqlite)?;
+    if !upgradable(kind, from) {
+        return Ok(());
+    }
+    for version in from..kind.user_version {
+        tx.execute_batch(kind.upgrades[(version - 1) as usize]).map_err(sqlite)?;
+    }
+    tx.pragma_update(None, "user_version", kind.user_version).map_err(sqlite)?;
+    tx.commit().map_err(sqlite)?;
+    tracing::info!(path = %path.display(), kind = kind.name, from, to = kind.user_version, "upgraded database schema");
+    Ok(())
 }
 
 /// Process-wide allocation settings, applied once before the first connection. SQLite
@@ -142,16 +247,17 @@ fn busy_pause(attempt: i32) -> Duration {
     }
 }
 
-fn check_identity(conn: &mut Connection, path: &Path, kind: &DbKind, mode: OpenMode) -> Result<(), DbError> {
+fn check_identity(conn: &Connection, path: &Path, kind: &DbKind) -> Result<(), DbError> {
     let sqlite = |source| DbError::Sqlite { path: path.to_owned(), source };
     let (app_id, version) = identity(conn).map_err(sqlite)?;
     if app_id == 0 {
-        if mode == OpenMode::Existing {
-            return Err(DbError::NotInitialised { path: path.to_owned(), kind: kind.name });
-        }
-        create_schema(conn, path, kind)?;
-        return check_identity(conn, path, kind, OpenMode::Existing);
+        return Err(DbError::NotInitialised { path: path.to_owned(), kind: kind.name });
     }
+    check_known(app_id, version, path, kind)
+}
+
+/// Refuses an identity that is not `kind` at this build's schema version.
+fn check_known(app_id: i32, version: i32, path: &Path, kind: &DbKind) -> Result<(), DbError> {
     if app_id != kind.application_id {
         let what = match app_id {
             PRODUCER_APPLICATION_ID => "it is a producer database".to_owned(),
@@ -195,6 +301,10 @@ fn create_schema(conn: &mut Connection, path: &Path, kind: &DbKind) -> Result<()
             });
         }
         tx.execute_batch(kind.schema_sql).map_err(sqlite)?;
+        // A new file is built exactly as an upgraded one: one definition of each version.
+        for upgrade in kind.upgrades {
+            tx.execute_batch(upgrade).map_err(sqlite)?;
+        }
         tx.pragma_update(None, "application_id", kind.application_id).map_err(sqlite)?;
         tx.pragma_update(None, "user_version", kind.user_version).map_err(sqlite)?;
         tx.commit().map_err(sqlite)?;
@@ -325,6 +435,7 @@ mod tests {
         application_id: PRODUCER_APPLICATION_ID,
         user_version: 1,
         schema_sql: "CREATE TABLE t(x INTEGER);",
+        upgrades: &[],
     };
 
     #[test]
@@ -413,6 +524,42 @@ mod tests {
         assert!(open(&text, &KIND, OpenMode::Create).is_err());
         let other = dir.path().join("other.db");
         Connection::open(&other).unwrap().execute_batch("CREATE TABLE x(y);").unwrap();
+        let before = std::fs::read(&other).unwrap();
         assert!(matches!(open(&other, &KIND, OpenMode::Create), Err(DbError::WrongKind { .. })));
+        // Refused before anything was set: still a rollback-journal file, byte for byte.
+        assert_eq!(std::fs::read(&other).unwrap(), before, "a refused file must not be modified");
+        assert!(!dir.path().join("other.db-wal").exists());
+        let consumer = DbKind { name: "consumer", application_id: CONSUMER_APPLICATION_ID, ..KIND };
+        let ours = dir.path().join("ours.db");
+        drop(open(&ours, &consumer, OpenMode::Create).unwrap());
+        let before = std::fs::read(&ours).unwrap();
+        assert!(matches!(open(&ours, &KIND, OpenMode::Create), Err(DbError::WrongKind { .. })));
+        assert_eq!(std::fs::read(&ours).unwrap(), before);
+    }
+
+    #[test]
+    fn a_deleted_database_with_sidecars_left_is_not_recreated_silently() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.db");
+        let keep = open(&path, &KIND, OpenMode::Create).unwrap();
+        keep.execute("INSERT INTO t(x) VALUES (1)", []).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let err = open(&path, &KIND, OpenMode::Create).unwrap_err();
+        assert!(matches!(err, DbError::Orphaned { .. }), "{err}");
+        assert!(err.to_string().contains("p.db-wal"), "{err}");
+        assert!(!path.exists(), "nothing is created");
+    }
+
+    #[test]
+    fn an_older_schema_is_upgraded_in_place() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.db");
+        drop(open(&path, &KIND, OpenMode::Create).unwrap());
+        let v2 = DbKind { user_version: 2, upgrades: &["ALTER TABLE t ADD COLUMN y INTEGER;"], ..KIND };
+        let conn = open(&path, &v2, OpenMode::Existing).unwrap();
+        assert_eq!(identity(&conn).unwrap(), (PRODUCER_APPLICATION_ID, 2));
+        conn.execute("INSERT INTO t(x, y) VALUES (1, 2)", []).unwrap();
+        let v3 = DbKind { user_version: 3, ..v2 };
+        assert!(matches!(open(&path, &v3, OpenMode::Existing), Err(DbError::WrongKind { .. })));
     }
 }

@@ -115,7 +115,17 @@ pub fn parse_payload(text: &str) -> Result<Payload, LimitError> {
         ));
     }
     let mut payload = Payload::new();
+    let mut numbers = top_level_numbers(text).into_iter();
     for (key, value) in members {
+        let token = matches!(value, WireValue::Int(_) | WireValue::BigInt | WireValue::Float)
+            .then(|| numbers.next())
+            .flatten();
+        // JSON's `-0` is the integer zero; serde_json hands it over as the float -0.0 (to
+        // keep its sign), which would draw the fraction/exponent reason for an integer.
+        let value = match value {
+            WireValue::Float if token == Some("-0") => WireValue::Int(0),
+            other => other,
+        };
         let field = format!("{FIELD}.{key}");
         let scalar = match value {
             WireValue::Str(s) if s.len() > MAX_STRING_BYTES => {
@@ -155,6 +165,47 @@ pub fn parse_payload(text: &str) -> Result<Payload, LimitError> {
         ));
     }
     Ok(payload)
+}
+
+/// The number tokens that are values of the top-level object, in text order (string
+/// contents and nested values skipped), so each parsed number can be matched to its text.
+fn top_level_numbers(text: &str) -> Vec<&str> {
+    let bytes = text.as_bytes();
+    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
+    let mut numbers = Vec::new();
+    let mut i = 0;
+    while i < bytes.len() {
+        let b = bytes[i];
+        if in_string {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+        } else {
+            match b {
+                b'"' => in_string = true,
+                b'{' | b'[' => depth += 1,
+                b'}' | b']' => depth = depth.saturating_sub(1),
+                b'-' | b'0'..=b'9' => {
+                    let start = i;
+                    while i < bytes.len()
+                        && matches!(bytes[i], b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9')
+                    {
+                        i += 1;
+                    }
+                    if depth == 1 {
+                        numbers.push(&text[start..i]);
+                    }
+                    continue;
+                }
+                _ => {}
+            }
+        }
+        i += 1;
+    }
+    numbers
 }
 
 fn out_of_range(field: String) -> LimitError {
@@ -295,6 +346,16 @@ mod tests {
     #[test]
     fn payload_shapes() {
         assert!(parse_payload(r#"{"amount":3}"#).is_ok());
+        // -0 is the integer zero (the decoder then refuses it for its range, not its form);
+        // -0.0 and -0e0 still have a fraction or an exponent.
+        let zero = parse_payload(r#"{"s":"-0.5,\"x\":-0","amount":-0,"b":[-0.0]}"#);
+        assert!(zero.is_err(), "the nested array is still refused");
+        let zero = parse_payload(r#"{"s":"-0.5,\"x\":-0","amount":-0}"#).unwrap();
+        assert_eq!(zero.get("amount"), Some(&Scalar::Int(0)));
+        for text in [r#"{"amount":-0.0}"#, r#"{"amount":-0e0}"#, r#"{"a":-0,"amount":-0.0}"#] {
+            let err = parse_payload(text).unwrap_err();
+            assert!(err.message.contains("fraction"), "{text}: {err}");
+        }
         assert!(parse_payload("{}").is_ok());
         for bad in ["", "3", "[]", "\"s\"", "null", "{", "{} {}", "{\"a\":1}x"] {
             let err = parse_payload(bad).expect_err(bad);

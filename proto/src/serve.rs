@@ -187,10 +187,28 @@ pub async fn serve<F>(
 where
     F: Future<Output = ()> + Send,
 {
+    serve_with_health(listener, service_name, add, shutdown, settings, None).await
+}
+
+/// [`serve`], with health following `storage` (`true`: `SERVING`, `false`: `NOT_SERVING`)
+/// until shutdown, which turns it `NOT_SERVING` for good.
+pub async fn serve_with_health<F>(
+    listener: TcpListener,
+    service_name: &'static str,
+    add: impl FnOnce(Router) -> Router,
+    shutdown: F,
+    settings: &ServerSettings,
+    storage: Option<tokio::sync::watch::Receiver<bool>>,
+) -> Result<(), tonic::transport::Error>
+where
+    F: Future<Output = ()> + Send,
+{
     let opts = &settings.options;
     let grace = Duration::from_millis(opts.shutdown_grace_ms);
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_service_status(service_name, ServingStatus::Serving).await;
+    let follower =
+        storage.map(|storage| tokio::spawn(follow_storage(reporter.clone(), service_name, storage)));
     // Advertise only what this server serves (the descriptor set holds both services).
     let reflection = || {
         tonic_reflection::server::Builder::configure()
@@ -227,6 +245,9 @@ where
     let (stopping_tx, stopping_rx) = tokio::sync::oneshot::channel::<()>();
     let served = router.serve_with_incoming_shutdown(incoming, async move {
         shutdown.await;
+        if let Some(follower) = follower {
+            follower.abort();
+        }
         reporter.set_service_status("", ServingStatus::NotServing).await;
         reporter.set_service_status(service_name, ServingStatus::NotServing).await;
         tracing::info!(grace = ?grace, "health NOT_SERVING; draining in-flight calls");
@@ -244,6 +265,23 @@ where
         () = grace_over => {
             tracing::warn!(grace = ?grace, "grace period over; dropping the connections still open");
             Ok(())
+        }
+    }
+}
+
+/// Sets health (for "" and `service_name`) from each change of `storage`.
+async fn follow_storage(
+    reporter: tonic_health::server::HealthReporter,
+    service_name: &'static str,
+    mut storage: tokio::sync::watch::Receiver<bool>,
+) {
+    loop {
+        let status =
+            if *storage.borrow_and_update() { ServingStatus::Serving } else { ServingStatus::NotServing };
+        reporter.set_service_status("", status).await;
+        reporter.set_service_status(service_name, status).await;
+        if storage.changed().await.is_err() {
+            return;
         }
     }
 }

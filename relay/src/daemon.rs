@@ -57,7 +57,7 @@ pub async fn run(
     while !stop.requested() {
         let Some(active) = session.as_mut() else {
             let opened = tokio::select! {
-                opened = Session::open(&config.link, config.window, Duration::ZERO) => opened,
+                opened = Session::open(&config.link, config.window, Duration::ZERO, ledger) => opened,
                 () = stop.asked() => break,
             };
             match opened {
@@ -88,6 +88,14 @@ pub async fn run(
                 let idle = result.sent == 0;
                 note_waiting_flows(result, &skip, &mut held, &mut deferred, settings.max_backoff);
                 if idle {
+                    // A consumer restarted on a restored database gives an idle relay no row
+                    // to fail on: ask it who it is now and then.
+                    if let Err(e) = active.recheck_identity(&config.link, ledger).await {
+                        link_down(&mut link, &e, settings.max_backoff);
+                        session = None;
+                        pause(reconnect.next_wait(), stop).await;
+                        continue;
+                    }
                     pause(settings.poll_interval, stop).await;
                 }
             }

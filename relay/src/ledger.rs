@@ -16,6 +16,9 @@ use rusqlite::Connection;
 pub struct Ledger {
     conn: Arc<Mutex<Connection>>,
     crash: CrashSwitch,
+    /// The consumer database the open session talks to (set by `identity` when the session
+    /// opens; `None` for a consumer that cannot say), recorded on every accepted row.
+    consumer_db: Arc<Mutex<Option<String>>>,
 }
 
 impl Ledger {
@@ -29,7 +32,7 @@ impl Ledger {
             synchronous = %eff.synchronous,
             "producer database open"
         );
-        Ok(Ledger { conn: Arc::new(Mutex::new(conn)), crash })
+        Ok(Ledger { conn: Arc::new(Mutex::new(conn)), crash, consumer_db: Arc::new(Mutex::new(None)) })
     }
 
     async fn blocking<T, F>(&self, f: F) -> rusqlite::Result<T>
@@ -66,13 +69,18 @@ impl Ledger {
     /// `relay.after_mark` (written, not committed) and `relay.after_mark_commit` sit on the
     /// marking path only: a run with no accepted answer reaches neither.
     pub async fn record(&self, answers: Vec<Recorded>) -> rusqlite::Result<()> {
+        let consumer_db = self.consumer_db.lock().unwrap_or_else(|p| p.into_inner()).clone();
         self.blocking(move |conn, crash| {
             let tx = db::begin_immediate(conn)?;
             let now = now_us();
             let mut marked = false;
             for answer in &answers {
                 store::record_delivery(&tx, &answer.event_id, answer.answer, now)?;
-                marked |= answer.answer.holds_event();
+                let holds = answer.answer.holds_event();
+                if let (true, Some(consumer)) = (holds && answer.position > 0, &consumer_db) {
+                    store::record_accepted_by(&tx, &answer.event_id, consumer, answer.position)?;
+                }
+                marked |= holds;
             }
             if marked {
                 crash.reach(CrashPoint::RelayAfterMark);
@@ -104,6 +112,38 @@ impl Ledger {
     }
 }
 
+impl Ledger {
+    /// This producer database's identity.
+    pub async fn producer_id(&self) -> rusqlite::Result<String> {
+        self.blocking(|conn, _| store::database_id(conn)).await
+    }
+
+    /// Sets the consumer database the open session talks to.
+    pub fn set_consumer(&self, consumer_db: Option<String>) {
+        *self.consumer_db.lock().unwrap_or_else(|p| p.into_inner()) = consumer_db;
+    }
+
+    /// In ONE transaction: what `consumer_db` (whose history reaches `highest_position`)
+    /// lacks of what the outbox recorded as accepted, marked unaccepted again so it is sent
+    /// again. Returns what was found (and unmarked).
+    pub async fn resend_lost(
+        &self,
+        consumer_db: String,
+        highest_position: u64,
+    ) -> rusqlite::Result<store::LostRows> {
+        self.blocking(move |conn, _| {
+            let tx = db::begin_immediate(conn)?;
+            let lost = store::lost_rows(&tx, &consumer_db, highest_position)?;
+            if lost.other_database + lost.beyond_history > 0 {
+                store::unmark_lost(&tx, &consumer_db, highest_position)?;
+                tx.commit()?;
+            }
+            Ok(lost)
+        })
+        .await
+    }
+}
+
 /// One answer to record on its outbox row.
 #[derive(Clone, Debug)]
 pub struct Recorded {
@@ -111,6 +151,8 @@ pub struct Recorded {
     pub event_id: String,
     /// The consumer's answer.
     pub answer: DeliveryAnswer,
+    /// Where the consumer holds it (its inbox position; 0 when it did not say).
+    pub position: u64,
 }
 
 fn now_us() -> i64 {

@@ -13,6 +13,7 @@ pub mod connect;
 pub mod daemon;
 pub mod decision;
 pub mod error;
+pub mod identity;
 pub mod ledger;
 pub mod oneshot;
 pub mod output;

@@ -59,7 +59,7 @@ async fn deliver_one(
     stop: &Stop,
     mode: &'static str,
 ) -> Result<(), RelayError> {
-    let mut session = open(config, 1, stop, mode).await?;
+    let mut session = open(config, ledger, 1, stop, mode).await?;
     let source = Source::Rows(VecDeque::from([row]));
     let result =
         pass(&mut session, ledger, source, &HashSet::new(), Caps::single(config), report, stop).await?;
@@ -85,7 +85,7 @@ pub async fn drain(
     if ledger.unaccepted_after((String::new(), 0), 1).await?.is_empty() {
         return Ok(());
     }
-    let mut session = open(config, config.window, stop, "drain").await?;
+    let mut session = open(config, ledger, config.window, stop, "drain").await?;
     let mut skip = HashSet::new();
     let mut backoff = Backoff::new(BACKLOG_RETRY, BACKLOG_RETRY_CAP);
     let mut last_progress: Option<Instant> = None;
@@ -144,12 +144,13 @@ pub async fn drain(
 /// Opens the one stream of a one-shot mode, unless a stop comes first.
 async fn open(
     config: &Config,
+    ledger: &Ledger,
     window: usize,
     stop: &Stop,
     mode: &'static str,
 ) -> Result<Session, RelayError> {
     tokio::select! {
-        opened = Session::open(&config.link, window, ONE_SHOT_CONNECT_DEADLINE) => opened,
+        opened = Session::open(&config.link, window, ONE_SHOT_CONNECT_DEADLINE, ledger) => opened,
         () = stop.asked() => Err(RelayError::Interrupted(mode)),
     }
 }

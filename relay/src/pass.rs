@@ -261,7 +261,8 @@ fn take_answer(
             detail: answer.detail.clone(),
         }),
     }
-    answered.push(Answered { row, answer: delivery, detail: answer.detail, at: Instant::now() });
+    let position = answer.inbox_position;
+    answered.push(Answered { row, answer: delivery, detail: answer.detail, position, at: Instant::now() });
     Ok(())
 }
 

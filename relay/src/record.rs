@@ -18,6 +18,8 @@ pub struct Answered {
     pub answer: DeliveryAnswer,
     /// The consumer's detail text.
     pub detail: String,
+    /// The consumer's inbox position of the event (0 when it did not say).
+    pub position: u64,
     /// When it arrived.
     pub at: Instant,
 }
@@ -33,7 +35,10 @@ pub async fn record(
         return Ok(0);
     }
     let recorded =
-        answered.iter().map(|a| Recorded { event_id: a.row.event_id.clone(), answer: a.answer }).collect();
+        answered
+        .iter()
+        .map(|a| Recorded { event_id: a.row.event_id.clone(), answer: a.answer, position: a.position })
+        .collect();
     ledger.record(recorded).await?;
     let n = answered.len() as u64;
     for a in answered.drain(..) {

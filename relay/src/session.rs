@@ -2,7 +2,7 @@
 //! opened (connect, then open the call, bounded by the answer timeout), so whatever must
 //! happen before the first envelope is sent belongs there.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use proto::auth::SendToken;
 use proto::pb;
@@ -10,29 +10,57 @@ use proto::pb::consumer_client::ConsumerClient;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
+use tonic::transport::Channel;
+
 use crate::Link;
 use crate::error::RelayError;
+use crate::ledger::Ledger;
 
 /// One open `Receive` stream: envelopes go out through `outbound`, answers come back in
 /// order on `answers`.
 pub struct Session {
     outbound: mpsc::Sender<pb::EventEnvelope>,
     answers: tonic::Streaming<pb::ReceiveResult>,
+    /// The connection, for identity checks while idle.
+    channel: Channel,
+    /// When the consumer's identity was last checked.
+    identified_at: Instant,
 }
 
 impl Session {
     /// Connects to the consumer (retrying until `connect_deadline`) and opens a `Receive`
     /// stream with room for `window` envelopes. The consumer has `link.answer_timeout` to
-    /// answer the opening; a stopped consumer fails it instead of hanging it.
-    pub async fn open(link: &Link, window: usize, connect_deadline: Duration) -> Result<Session, RelayError> {
+    /// answer the opening; a stopped consumer fails it instead of hanging it. Before the
+    /// stream opens, the consumer's database identity is checked against what producer.db
+    /// recorded as accepted ([`crate::identity`]): what it lost is sent again.
+    pub async fn open(
+        link: &Link,
+        window: usize,
+        connect_deadline: Duration,
+        ledger: &Ledger,
+    ) -> Result<Session, RelayError> {
         let channel = crate::connect::channel(link, connect_deadline).await?;
+        crate::identity::check_consumer_history(channel.clone(), ledger, link).await?;
         let (outbound, rx) = mpsc::channel(window.max(1));
-        let mut client = ConsumerClient::with_interceptor(channel, SendToken::new(link.token.as_deref()));
+        let mut client =
+            ConsumerClient::with_interceptor(channel.clone(), SendToken::new(link.token.as_deref()));
         let opened = tokio::time::timeout(link.answer_timeout, client.receive(ReceiverStream::new(rx)))
             .await
             .map_err(|_| RelayError::Unresponsive(link.answer_timeout))?;
         let answers = opened.map_err(|s| RelayError::Stream(s.to_string()))?.into_inner();
-        Ok(Session { outbound, answers })
+        Ok(Session { outbound, answers, channel, identified_at: Instant::now() })
+    }
+
+    /// While idle (`run`): checks the consumer's identity again, at most once per
+    /// [`crate::identity::IDLE_RECHECK`], so a consumer restarted on a restored or recreated
+    /// database is noticed even when no row is left to send (the stream would only fail on
+    /// the next send).
+    pub async fn recheck_identity(&mut self, link: &Link, ledger: &Ledger) -> Result<(), RelayError> {
+        if self.identified_at.elapsed() < crate::identity::IDLE_RECHECK {
+            return Ok(());
+        }
+        self.identified_at = Instant::now();
+        crate::identity::check_consumer_history(self.channel.clone(), ledger, link).await
     }
 
     /// Hands one envelope to the stream (never blocks while fewer than `window` are in flight).

@@ -15,4 +15,5 @@ mod relay;
 mod relay_liveness;
 mod scenarios;
 mod security;
+mod storage_faults;
 mod walkthrough;

@@ -1,0 +1,345 @@
+//! Faults an operator's machine causes under a running pipeline (producer, `relay run`,
+//! `consumer --auto-apply`): a consumer.db whose storage fails and recovers, one deleted under
+//! the running consumer, and one restored from an older copy. In every case the consumer says
+//! so (health, one log line per state change) and, in the end, every committed event is
+//! applied exactly once with no Apply call.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use harness::background::{RelayDaemon, wait_for};
+use harness::db;
+use harness::proc::ServerProcess;
+use harness::{Consumer, Producer, Workdir};
+use proto::pb::AdvanceOutcome;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+
+const DEADLINE: Duration = Duration::from_secs(60);
+
+/// Starts `consumer --auto-apply` on `db`, listening on `listen` (a restarted consumer keeps
+/// its address so the running relay finds it again).
+fn start_consumer(db: &Path, listen: &str, log: PathBuf, env: &[(&str, &str)]) -> Consumer {
+    let args: Vec<String> = ["--db", &db.display().to_string(), "--listen", listen, "--auto-apply"]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+    // The address of a consumer killed a moment ago may still be taken: retry until free.
+    let until = Instant::now() + DEADLINE;
+    loop {
+        match ServerProcess::try_start("consumer", &args, env, log.clone(), Duration::from_secs(10)) {
+            Ok(process) => return Consumer { process, db: db.to_owned() },
+            Err(e) if Instant::now() < until && e.contains("ddress") => continue,
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+fn relay(work: &Workdir, producer: &Producer, url: &str) -> RelayDaemon {
+    RelayDaemon::start(
+        work.dir.path(),
+        "relay-run",
+        &producer.db,
+        url,
+        &["--poll-ms", "10", "--max-backoff-ms", "200"],
+        &[],
+    )
+}
+
+/// Commits the three steps of each flow `<prefix>0..n`.
+async fn commit_flows(producer: &Producer, prefix: &str, n: usize) -> Vec<String> {
+    let mut flows = Vec::new();
+    for i in 0..n {
+        let flow = format!("{prefix}{i}");
+        for r in producer.advance_steps(&flow, 0, &[1, 1, 1]).await {
+            assert_eq!(AdvanceOutcome::try_from(r.outcome), Ok(AdvanceOutcome::Committed), "{r:?}");
+        }
+        flows.push(flow);
+    }
+    flows
+}
+
+/// Waits until consumer.db holds exactly the effects of every event in producer.db's outbox
+/// (each event id once, in seq order per flow) and every outbox row is accepted.
+fn wait_every_event_applied_once(
+    producer_db: &Path,
+    consumer_db: &Path,
+    relay: &RelayDaemon,
+    consumer: &Consumer,
+) {
+    let committed: BTreeSet<String> = db::outbox(producer_db).into_iter().map(|r| r.event_id).collect();
+    wait_for(
+        DEADLINE,
+        || {
+            let effects = db::effects(consumer_db);
+            let applied: BTreeSet<String> = effects.iter().map(|e| e.event_id.clone()).collect();
+            let accepted = db::outbox(producer_db).iter().all(|r| r.accepted);
+            (applied == committed && effects.len() == committed.len() && accepted).then_some(())
+        },
+        || {
+            format!(
+                "{} committed, {} effects, {} unaccepted; relay log:\n{}\nconsumer log:\n{}",
+                committed.len(),
+                db::effects(consumer_db).len(),
+                db::outbox(producer_db).iter().filter(|r| !r.accepted).count(),
+                relay.log_text(),
+                consumer.process.log_text()
+            )
+        },
+    );
+    for p in db::projections(consumer_db) {
+        assert_eq!((p.last_seq, p.state.as_str(), p.held), (3, "released", 0), "{p:?}");
+    }
+}
+
+async fn health(url: &str) -> Option<ServingStatus> {
+    let channel = tonic::transport::Endpoint::from_shared(url.to_owned()).ok()?.connect().await.ok()?;
+    let answer = HealthClient::new(channel)
+        .check(HealthCheckRequest { service: "ordered_events.v1.Consumer".into() })
+        .await
+        .ok()?;
+    ServingStatus::try_from(answer.into_inner().status).ok()
+}
+
+/// Polls health until it reports `want`, or panics with what it reported last.
+async fn wait_health(consumer: &Consumer, want: ServingStatus) {
+    let until = Instant::now() + DEADLINE;
+    let mut last = None;
+    while Instant::now() < until {
+        last = health(&consumer.process.url()).await;
+        if last == Some(want) {
+            return;
+        }
+        // A pause between polls of a predicate, not a guess at how long something takes.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("health never {want:?} (last {last:?}); log:\n{}", consumer.process.log_text());
+}
+
+/// How the test makes consumer.db's storage fail.
+enum Fault {
+    /// A small tmpfs holding consumer.db, filled up by a ballast file and emptied again.
+    Tmpfs { mount: PathBuf, ballast: PathBuf },
+    /// The store's fault hook, armed through the consumer's environment: commits fail while
+    /// the flag file exists. Used only where this machine cannot mount a filesystem.
+    Hook { flag: PathBuf },
+}
+
+impl Fault {
+    fn prepare(work: &Workdir) -> Fault {
+        let mount = work.path("small-fs");
+        std::fs::create_dir_all(&mount).expect("mount point");
+        let mounted = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=8m", "tmpfs"])
+            .arg(&mount)
+            .status()
+            .is_ok_and(|s| s.success());
+        if mounted {
+            Fault::Tmpfs { ballast: mount.join("ballast"), mount }
+        } else {
+            eprintln!("cannot mount a tmpfs here: using the store's fault hook instead");
+            Fault::Hook { flag: work.path("storage-full") }
+        }
+    }
+
+    fn consumer_db(&self, work: &Workdir) -> PathBuf {
+        match self {
+            Fault::Tmpfs { mount, .. } => mount.join("consumer.db"),
+            Fault::Hook { .. } => work.consumer_db(),
+        }
+    }
+
+    fn env(&self) -> Vec<(&'static str, String)> {
+        match self {
+            Fault::Tmpfs { .. } => Vec::new(),
+            Fault::Hook { flag } => {
+                vec![("ORDERED_EVENTS_FAULT_COMMIT_FAILS_WHILE", flag.display().to_string())]
+            }
+        }
+    }
+
+    /// Storage starts failing: the tmpfs is filled to its last byte.
+    fn start(&self) {
+        match self {
+            Fault::Tmpfs { ballast, .. } => {
+                use std::io::Write;
+                let mut file = std::fs::File::create(ballast).expect("ballast file");
+                let block = vec![0u8; 64 * 1024];
+                while file.write_all(&block).is_ok() {}
+                while file.write_all(&block[..512]).is_ok() {}
+                while file.write_all(&block[..1]).is_ok() {}
+            }
+            Fault::Hook { flag } => std::fs::write(flag, b"full").expect("fault flag"),
+        }
+    }
+
+    /// Storage recovers.
+    fn stop(&self) {
+        let path = match self {
+            Fault::Tmpfs { ballast, .. } => ballast,
+            Fault::Hook { flag } => flag,
+        };
+        std::fs::remove_file(path).expect("remove the fault");
+    }
+}
+
+impl Drop for Fault {
+    fn drop(&mut self) {
+        if let Fault::Tmpfs { mount, .. } = self {
+            let _ = Command::new("umount").arg("-l").arg(mount).status();
+        }
+    }
+}
+
+/// consumer.db's storage fills up under load and then has room again: the consumer logs the
+/// failing commits once, reports NOT_SERVING, returns to SERVING once it can commit, and
+/// auto-apply applies everything the outage left, with no ApplyAll; every event once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_whose_storage_fills_up_reports_it_and_recovers_without_losing_an_event() {
+    let work = Workdir::new();
+    let fault = Fault::prepare(&work);
+    let consumer_db = fault.consumer_db(&work);
+    let env = fault.env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let producer = Producer::start(&work, &[]);
+    let consumer = start_consumer(&consumer_db, "127.0.0.1:0", work.path("consumer.log"), &env);
+    let daemon = relay(&work, &producer, &consumer.process.url());
+    commit_flows(&producer, "before", 10).await;
+    wait_every_event_applied_once(&producer.db, &consumer_db, &daemon, &consumer);
+    wait_health(&consumer, ServingStatus::Serving).await;
+
+    fault.start();
+    let during = tokio::spawn({
+        let url = producer.process.url();
+        async move {
+            let mut client =
+                proto::pb::producer_client::ProducerClient::new(harness::proc::connect(&url).await);
+            for i in 0..40 {
+                for (seq, kind) in ["reserved", "confirmed", "released"].iter().enumerate() {
+                    let flow = format!("during{i}");
+                    let req = harness::advance(&flow, &format!("{flow}-{}", seq + 1), seq as u64, kind, 1);
+                    client.advance(req).await.expect("Advance");
+                }
+            }
+        }
+    });
+    wait_health(&consumer, ServingStatus::NotServing).await;
+    during.await.expect("advances during the fault");
+    let log = consumer.process.log_text();
+    let failing = log.matches("consumer.db cannot commit").count();
+    assert!(failing >= 1, "{log}");
+    if let Fault::Hook { .. } = fault {
+        // One cause, one line, however often the relay retried.
+        assert_eq!(failing, 1, "{log}");
+    }
+
+    fault.stop();
+    wait_health(&consumer, ServingStatus::Serving).await;
+    wait_every_event_applied_once(&producer.db, &consumer_db, &daemon, &consumer);
+    let log = consumer.process.log_text();
+    assert!(log.contains("consumer.db commits again: health SERVING"), "{log}");
+    assert_eq!(db::effects(&consumer_db).len(), 150);
+}
+
+/// consumer.db deleted under a running consumer: it stops accepting and says why instead of
+/// writing to the unlinked file; restarted, it refuses to create a fresh database beside the
+/// old one's -wal/-shm; once the operator removes them, it creates one, and the relay, seeing
+/// another database id, sends everything again: in the end the new database holds every
+/// committed event applied once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_database_deleted_under_the_consumer_is_refilled_by_the_relay() {
+    let work = Workdir::new();
+    let producer = Producer::start(&work, &[]);
+    let consumer_db = work.consumer_db();
+    let mut consumer = start_consumer(&consumer_db, "127.0.0.1:0", work.path("consumer.log"), &[]);
+    let addr = consumer.process.addr.clone();
+    let daemon = relay(&work, &producer, &consumer.process.url());
+    commit_flows(&producer, "old", 10).await;
+    wait_every_event_applied_once(&producer.db, &consumer_db, &daemon, &consumer);
+
+    // Only the database file goes; its -wal and -shm stay, as after a careless `rm`.
+    std::fs::remove_file(&consumer_db).expect("delete consumer.db");
+    commit_flows(&producer, "new", 5).await;
+    wait_for(
+        DEADLINE,
+        || consumer.process.log_text().contains("was deleted under this running consumer").then_some(()),
+        || consumer.process.log_text(),
+    );
+    wait_health(&consumer, ServingStatus::NotServing).await;
+    assert!(!consumer_db.exists(), "nothing may recreate the file under the running consumer");
+    consumer.process.kill();
+
+    // A restart refuses to build a fresh database beside the old one's leftovers.
+    let args: Vec<String> = ["--db", &consumer_db.display().to_string(), "--listen", &addr]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+    let refused =
+        ServerProcess::try_start("consumer", &args, &[], work.path("consumer-refused.log"), DEADLINE)
+            .err()
+            .expect("a consumer must not start on a deleted database's leftovers");
+    assert!(refused.contains("remain: it was deleted or moved"), "{refused}");
+    assert!(!consumer_db.exists(), "the refusing consumer created nothing");
+
+    // The operator starts fresh deliberately; the relay sees another database and re-sends.
+    for suffix in ["-wal", "-shm"] {
+        let mut name = consumer_db.as_os_str().to_owned();
+        name.push(suffix);
+        let _ = std::fs::remove_file(PathBuf::from(name));
+    }
+    let consumer = start_consumer(&consumer_db, &addr, work.path("consumer-2.log"), &[]);
+    wait_every_event_applied_once(&producer.db, &consumer_db, &daemon, &consumer);
+    assert_eq!(db::effects(&consumer_db).len(), 45);
+    let relay_log = daemon.log_text();
+    assert!(relay_log.contains("CONSUMER DATABASE REPLACED"), "{relay_log}");
+    assert!(relay_log.contains("rows=30"), "{relay_log}");
+}
+
+/// consumer.db restored from an older copy (taken while the consumer was stopped): the
+/// relay sees a history that ends before positions it recorded, says so in one loud line,
+/// and sends the lost rows again; every committed event ends applied once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_database_restored_from_an_older_copy_gets_the_lost_rows_again() {
+    let work = Workdir::new();
+    let producer = Producer::start(&work, &[]);
+    let consumer_db = work.consumer_db();
+    let mut consumer = start_consumer(&consumer_db, "127.0.0.1:0", work.path("consumer.log"), &[]);
+    let addr = consumer.process.addr.clone();
+    let daemon = relay(&work, &producer, &consumer.process.url());
+    commit_flows(&producer, "kept", 10).await;
+    wait_every_event_applied_once(&producer.db, &consumer_db, &daemon, &consumer);
+
+    // The backup: the whole file set, taken while the consumer is stopped.
+    assert_eq!(consumer.process.terminate(DEADLINE).code(), Some(0));
+    let backup = work.path("backup");
+    std::fs::create_dir_all(&backup).expect("backup dir");
+    let files = |dir: &Path| -> Vec<PathBuf> {
+        ["consumer.db", "consumer.db-wal", "consumer.db-shm"].iter().map(|f| dir.join(f)).collect()
+    };
+    let live_dir = consumer_db.parent().expect("consumer.db has a directory").to_owned();
+    for (live, copy) in files(&live_dir).iter().zip(files(&backup)) {
+        if live.exists() {
+            std::fs::copy(live, copy).expect("back up");
+        }
+    }
+    let mut consumer = start_consumer(&consumer_db, &addr, work.path("consumer-2.log"), &[]);
+    commit_flows(&producer, "lost", 10).await;
+    wait_every_event_applied_once(&producer.db, &consumer_db, &daemon, &consumer);
+    assert_eq!(consumer.process.terminate(DEADLINE).code(), Some(0));
+
+    // Restore: the live file set is replaced by the older copy.
+    for (live, copy) in files(&live_dir).iter().zip(files(&backup)) {
+        let _ = std::fs::remove_file(live);
+        if copy.exists() {
+            std::fs::copy(copy, live).expect("restore");
+        }
+    }
+    let consumer = start_consumer(&consumer_db, &addr, work.path("consumer-3.log"), &[]);
+    wait_every_event_applied_once(&producer.db, &consumer_db, &daemon, &consumer);
+    assert_eq!(db::effects(&consumer_db).len(), 60);
+    let relay_log = daemon.log_text();
+    assert!(relay_log.contains("CONSUMER DATABASE RESTORED FROM AN OLDER COPY"), "{relay_log}");
+    assert!(relay_log.contains("rows=30"), "{relay_log}");
+}
