@@ -8,6 +8,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use proto::crash::{self, CrashPoint};
 use proto::pb;
 use proto::pb::consumer_client::ConsumerClient;
 use proto::pb::producer_client::ProducerClient;
@@ -145,6 +146,18 @@ impl ServerProcess {
         status
     }
 
+    /// Waits for a process armed at `point` to die there: exit code 73 and the
+    /// `crash_point=<name>` marker in its log. An error names what happened instead.
+    pub fn wait_crash(&mut self, point: CrashPoint) -> Result<(), String> {
+        let status = self.wait_exit(START_DEADLINE);
+        let log = self.log_text();
+        if status.code() == Some(crash::EXIT_CODE) && log.contains(&point.marker()) {
+            Ok(())
+        } else {
+            Err(format!("expected a crash at {point}, got exit {status:?}; log:\n{log}"))
+        }
+    }
+
     /// Sends SIGTERM and waits for a clean exit.
     pub fn terminate(&mut self, deadline: Duration) -> ExitStatus {
         let child = self.child.as_mut().expect("process still owned");
@@ -166,6 +179,12 @@ impl Drop for ServerProcess {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// The environment entry that arms `point` in a child: crash points are armed only through
+/// the child's environment, and only by their enum (a misspelt name cannot compile).
+pub fn arming(point: CrashPoint) -> (&'static str, &'static str) {
+    (crash::ENV, point.name())
 }
 
 /// Polls `child` until it exits or `deadline` passes.
@@ -209,6 +228,11 @@ impl Producer {
     pub fn start_on(db: PathBuf, log: PathBuf, env: &[(&str, &str)]) -> Producer {
         let args = vec!["--db".into(), db.display().to_string(), "--listen".into(), "127.0.0.1:0".into()];
         Producer { process: ServerProcess::start("producer", &args, env, log), db }
+    }
+
+    /// Starts a producer on `db` armed at `point` (it dies when a write reaches it).
+    pub fn start_armed(db: PathBuf, log: PathBuf, point: CrashPoint) -> Producer {
+        Self::start_on(db, log, &[arming(point)])
     }
 
     /// Starts a producer on the workdir's file with extra flags (limits, token, TLS).
@@ -262,6 +286,11 @@ impl Consumer {
             args.push("--support-v2".into());
         }
         Consumer { process: ServerProcess::start("consumer", &args, env, log), db }
+    }
+
+    /// Starts a consumer on `db` armed at `point` (it dies when a write reaches it).
+    pub fn start_armed(db: PathBuf, log: PathBuf, support_v2: bool, point: CrashPoint) -> Consumer {
+        Self::start_on(db, log, support_v2, &[arming(point)])
     }
 
     /// Starts a consumer on the workdir's file with extra flags (limits, token, TLS, v2).
@@ -407,6 +436,11 @@ impl RelayRun {
         self.lines.iter().filter(|l| l["type"] == "delivery")
     }
 
+    /// True when the run died at `point`: exit code 73 and the marker on stderr.
+    pub fn crashed_at(&self, point: CrashPoint) -> bool {
+        self.code == Some(crash::EXIT_CODE) && self.stderr.contains(&point.marker())
+    }
+
     /// The final `summary` line.
     pub fn summary(&self) -> &serde_json::Value {
         self.lines
@@ -431,4 +465,9 @@ pub fn relay(producer_db: &Path, consumer_url: &str, args: &[&str], env: &[(&str
         })
         .collect();
     RelayRun { code, lines, stderr }
+}
+
+/// [`relay`] armed at `point` (it dies when its write path reaches it).
+pub fn relay_armed(producer_db: &Path, consumer_url: &str, args: &[&str], point: CrashPoint) -> RelayRun {
+    relay(producer_db, consumer_url, args, &[arming(point)])
 }

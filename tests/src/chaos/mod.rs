@@ -18,6 +18,7 @@ use serde::Serialize;
 
 use crate::background::poll;
 use crate::checker::{self, Drain, Observed, Verdict};
+use crate::db;
 use cluster::{Cluster, ProcessOptions};
 use load::{LoadOptions, Progress};
 use schedule::{KillStep, Quota, Victim};
@@ -400,23 +401,14 @@ pub fn run(cfg: &ChaosConfig, dir: &Path) -> ChaosReport {
 /// the consumer's highest inbox rowid and its effect count. A server has worked since its
 /// start when its numbers grew.
 fn written(files: &checker::Files, v: Victim) -> Option<(u64, u64)> {
-    let open = |path: &Path| {
-        let conn =
-            rusqlite::Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).ok()?;
-        conn.busy_timeout(Duration::from_secs(5)).ok()?;
-        Some(conn)
-    };
-    let one = |conn: &rusqlite::Connection, sql: &str| conn.query_row(sql, [], |r| r.get::<_, i64>(0)).ok();
     match v {
         Victim::Producer => {
-            let p = open(&files.producer_db)?;
-            Some((one(&p, "SELECT coalesce(max(rowid), 0) FROM outbox")? as u64, 0))
+            let p = db::try_open_ro(&files.producer_db).ok()?;
+            Some((db::outbox_high_water(&p).ok()?, 0))
         }
         _ => {
-            let c = open(&files.consumer_db)?;
-            let rows = one(&c, "SELECT coalesce(max(rowid), 0) FROM inbox")?;
-            let effects = one(&c, "SELECT count(*) FROM effect")?;
-            Some((rows as u64, effects as u64))
+            let c = db::try_open_ro(&files.consumer_db).ok()?;
+            Some((db::inbox_high_water(&c).ok()?, db::count_effects(&c).ok()?))
         }
     }
 }
