@@ -353,7 +353,8 @@ impl<'a> Index<'a> {
             ix.effects_by_flow.entry(&e.flow_id).or_default().push(e);
         }
         for r in &history.advances {
-            if let (Intent::Step, Answer::Committed { body } | Answer::Existing { body }) = (&r.intent, &r.answer)
+            if let (Intent::Step, Answer::Committed { body } | Answer::Existing { body }) =
+                (&r.intent, &r.answer)
             {
                 ix.acknowledged.insert(&r.event_id, body);
             }
@@ -521,7 +522,10 @@ fn i5_no_conflicting_body(ix: &Index<'_>, snap: &Snapshot, history: &History) ->
                 i.event_id, i.state, i.body, o.body
             )),
             None if ix.refused_ids.contains(i.event_id.as_str()) => {}
-            None => out.push(format!("{} ({}) is in the inbox but the producer never committed it", i.event_id, i.state)),
+            None => out.push(format!(
+                "{} ({}) is in the inbox but the producer never committed it",
+                i.event_id, i.state
+            )),
         }
     }
     for e in &snap.effects {
@@ -561,7 +565,9 @@ fn i6_drained(drain: &Drain, snap: &Snapshot) -> Vec<String> {
     let unaccepted = snap.outbox.iter().filter(|o| !o.accepted).count();
     let unapplied = snap.inbox.iter().filter(|i| i.state != "applied").count();
     if unaccepted + unapplied > 0 {
-        out.push(format!("final files: {unaccepted} unaccepted outbox rows, {unapplied} unapplied inbox rows"));
+        out.push(format!(
+            "final files: {unaccepted} unaccepted outbox rows, {unapplied} unapplied inbox rows"
+        ));
     }
     out
 }
@@ -571,7 +577,10 @@ fn i7_integrity(files: &Files) -> Vec<String> {
     [("producer.db", &files.producer_db), ("consumer.db", &files.consumer_db)]
         .into_iter()
         .filter_map(|(name, path)| {
-            db::try_open_ro(path).and_then(|conn| db::integrity_check(&conn)).err().map(|e| format!("{name}: {e}"))
+            db::try_open_ro(path)
+                .and_then(|conn| db::integrity_check(&conn))
+                .err()
+                .map(|e| format!("{name}: {e}"))
         })
         .collect()
 }

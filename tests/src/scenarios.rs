@@ -410,8 +410,7 @@ async fn receive_crash_points() -> Value {
         let work = Workdir::new();
         let producer = Producer::start(&work, &[]);
         commit_steps(&producer, "A", &[1]).await;
-        let mut crashing =
-            Consumer::start_armed(work.consumer_db(), work.path("consumer.log"), false, point);
+        let mut crashing = Consumer::start_armed(work.consumer_db(), work.path("consumer.log"), false, point);
         let run = relay(&producer.db, &crashing.process.url(), &["once"], &[]);
         let code = crashing.process.wait_exit(START_DEADLINE).code();
         let marker = crashing.process.log_text().contains(&point.marker());
@@ -471,8 +470,7 @@ async fn apply_crash_points() -> Value {
         let work = Workdir::new();
         let producer = Producer::start(&work, &[]);
         commit_steps(&producer, "A", &[1]).await;
-        let mut crashing =
-            Consumer::start_armed(work.consumer_db(), work.path("consumer.log"), false, point);
+        let mut crashing = Consumer::start_armed(work.consumer_db(), work.path("consumer.log"), false, point);
         let delivered = relay(&producer.db, &crashing.process.url(), &["once"], &[]);
         let call =
             crashing.client().await.apply(pb::ApplyRequest { flow_id: "A".into(), max_steps: 0 }).await;

@@ -16,9 +16,9 @@ use rusqlite::Connection;
 use tokio::sync::{Notify, watch};
 use tonic::transport::Channel;
 
-use crate::{canon, db};
 use crate::checker::{AdvanceRecord, Answer, ForgedRecord, History, Intent};
 use crate::rng::Rng;
+use crate::{canon, db};
 
 use super::cluster::Endpoint;
 

@@ -1,8 +1,8 @@
 //! The producer over gRPC: the §10 Advance rows and its three crash points.
 
 use harness::db;
-use proto::crash::CrashPoint;
 use harness::{Producer, Workdir, advance};
+use proto::crash::CrashPoint;
 use proto::pb::AdvanceOutcome;
 
 fn outcome(r: &proto::pb::AdvanceResponse) -> AdvanceOutcome {
@@ -133,7 +133,8 @@ async fn existing_does_not_fire_a_crash_point() {
     let producer = Producer::start(&work, &[]);
     producer.advance(advance("A", "A1", 0, "reserved", 1)).await;
     drop(producer);
-    let armed = Producer::start_armed(work.producer_db(), work.path("p2.log"), CrashPoint::ProducerAfterCommit);
+    let armed =
+        Producer::start_armed(work.producer_db(), work.path("p2.log"), CrashPoint::ProducerAfterCommit);
     let retry = armed.advance(advance("A", "A1", 0, "reserved", 1)).await;
     assert_eq!(outcome(&retry), AdvanceOutcome::Existing);
     let stale = armed.advance(advance("A", "A9", 0, "reserved", 1)).await;
