@@ -1,5 +1,5 @@
-//! The independent checker of a chaos run (issue 9). After the faults stop and the system
-//! drains, it reads producer.db and consumer.db with its own SQL (no service store, no
+//! The independent checker of a chaos run. After the faults stop and the system
+//! drains, it reads producer.db and consumer.db through `harness::db` (no service store, no
 //! protocol module) and the clients' recorded answers, and reports every breach of:
 //!
 //! - I1 every committed event (outbox row, or an Advance answered COMMITTED/EXISTING) is in

@@ -1,4 +1,4 @@
-//! The chaos run of issue 9: producer, consumer and two `relay run`s as real processes under
+//! The chaos run: producer, consumer and two `relay run`s as real processes under
 //! load from concurrent Advance clients, SIGKILLed on a seeded schedule paced by the
 //! committed count and restarted; then, once the faults stop and everything drains, the
 //! independent [`checker`](crate::checker) judges the files and the recorded answers, and
@@ -75,7 +75,7 @@ pub struct ChaosConfig {
 }
 
 impl ChaosConfig {
-    /// A named profile: `ci` (the floors of issue 9 in about 5 minutes on 2 cores), `soak`
+    /// A named profile: `ci` (the CI floors in about 5 minutes on 2 cores), `soak`
     /// (10 minutes of faults per seed, for running outside CI) or `smoke` (a few seconds, for
     /// the test suite).
     pub fn profile(name: &str, seed: u64) -> Option<ChaosConfig> {

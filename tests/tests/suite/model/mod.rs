@@ -172,9 +172,11 @@ fn run_one_rig<S: Side>(
     let rig = RefCell::new(S::rig());
     let tally = RefCell::new(Tally::default());
     let runs = Cell::new(0usize);
+    // Set once this rig saw a failure: from then on it is shrinking and must run every case.
+    let shrinking = Cell::new(false);
     let mut runner = runner(seed ^ stream, r, cases as u32);
     let outcome = runner.run(strategy, |case| {
-        if failed.load(Ordering::SeqCst) {
+        if failed.load(Ordering::SeqCst) && !shrinking.get() {
             return Ok(()); // another rig failed: its report is the one that matters
         }
         let n = runs.get();
@@ -183,9 +185,12 @@ fn run_one_rig<S: Side>(
             *rig.borrow_mut() = S::rig();
         }
         tally.borrow_mut().add(S::tally(&case));
-        runtime
-            .block_on(S::run(&mut rig.borrow_mut(), &case, &format!("r{r}.{n}.")))
-            .map_err(TestCaseError::fail)
+        let result = runtime.block_on(S::run(&mut rig.borrow_mut(), &case, &format!("r{r}.{n}.")));
+        if result.is_err() {
+            shrinking.set(true);
+            failed.store(true, Ordering::SeqCst);
+        }
+        result.map_err(TestCaseError::fail)
     });
     match outcome {
         Ok(()) => Ok(tally.into_inner()),
