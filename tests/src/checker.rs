@@ -30,12 +30,19 @@ use crate::db::{self, EffectRow, InboxRow, OutboxRow, ProjectionRow};
 pub enum Invariant {
     /// Every Advance answer is one the spec allows for that request.
     Answers,
+    /// I1: every committed event is applied.
     I1CommittedApplied,
+    /// I2: no (flow, seq) or event id has two effects.
     I2OneEffect,
+    /// I3: each flow's effects are exactly seqs 1..n in order.
     I3Contiguous,
+    /// I4: nothing the producer refused is stored or applied.
     I4RefusedNotApplied,
+    /// I5: no conflicting body was stored or applied.
     I5NoConflictingBody,
+    /// I6: pending work drains to zero within the deadline.
     I6Drained,
+    /// I7: `PRAGMA integrity_check` is ok on both files.
     I7Integrity,
 }
 
@@ -100,24 +107,34 @@ pub enum Intent {
 /// What one Advance call got back.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Answer {
+    /// COMMITTED, with the stored event's body.
     Committed {
+        /// The canonical body answered.
         body: String,
     },
+    /// EXISTING, with the stored event's body.
     Existing {
+        /// The canonical body answered.
         body: String,
     },
+    /// CONFLICT, with the stored event's body.
     Conflict {
+        /// The canonical body answered.
         body: String,
     },
+    /// STALE.
     Stale,
+    /// INVALID_TRANSITION.
     InvalidTransition,
     /// The call failed ambiguously (transport error, server gone): it may or may not have
     /// committed. The client retries it with the same event id.
     Unknown {
+        /// The error seen.
         error: String,
     },
     /// Anything else (INVALID_ARGUMENT, an unspecified outcome): never allowed here.
     Other {
+        /// What came back.
         what: String,
     },
 }
@@ -125,13 +142,21 @@ pub enum Answer {
 /// One Advance call and its answer, as a client recorded it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AdvanceRecord {
+    /// The flow.
     pub flow_id: String,
+    /// The event id sent.
     pub event_id: String,
+    /// The seq the client believed the flow was at.
     pub expected_seq: u64,
+    /// The step kind asked for.
     pub kind: String,
+    /// The payload schema.
     pub schema: u32,
+    /// The amount.
     pub amount: i64,
+    /// Why the client sent it.
     pub intent: Intent,
+    /// What came back.
     pub answer: Answer,
 }
 
@@ -154,8 +179,11 @@ impl AdvanceRecord {
 /// (must be SEQUENCE_CONFLICT). Neither may ever be stored.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ForgedRecord {
+    /// The event id sent.
     pub event_id: String,
+    /// The flow.
     pub flow_id: String,
+    /// The seq sent.
     pub seq: u64,
     /// The canonical body of what was sent.
     pub body: String,
@@ -166,31 +194,40 @@ pub struct ForgedRecord {
 /// Everything the clients saw.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct History {
+    /// Every Advance call, in the order recorded.
     pub advances: Vec<AdvanceRecord>,
+    /// Every forged delivery.
     pub forged: Vec<ForgedRecord>,
 }
 
 /// The two database files.
 #[derive(Clone, Debug)]
 pub struct Files {
+    /// producer.db.
     pub producer_db: PathBuf,
+    /// consumer.db.
     pub consumer_db: PathBuf,
 }
 
 /// One breach.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Violation {
+    /// Which invariant.
     pub invariant: Invariant,
+    /// What was seen.
     pub detail: String,
 }
 
 /// The checker's judgement and what it read.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Verdict {
+    /// Every breach found.
     pub violations: Vec<Violation>,
-    /// Outbox rows (committed events) and distinct flows with at least one.
+    /// Outbox rows (committed events).
     pub committed_events: u64,
+    /// Distinct flows with at least one committed event.
     pub committed_flows: u64,
+    /// Effect rows.
     pub effects: u64,
 }
 
@@ -232,7 +269,12 @@ pub enum Drain {
     /// Nothing was pending after this long.
     Drained(Duration),
     /// Still pending at the deadline: unaccepted outbox rows, unapplied inbox rows.
-    TimedOut { unaccepted: u64, unapplied: u64 },
+    TimedOut {
+        /// Unaccepted outbox rows.
+        unaccepted: u64,
+        /// Unapplied inbox rows.
+        unapplied: u64,
+    },
 }
 
 /// Counts of pending work: (unaccepted outbox rows, unapplied inbox rows).
@@ -588,8 +630,9 @@ fn i7_integrity(files: &Files) -> Vec<String> {
 /// What the run exercised, read from the files: redeliveries and out-of-order arrivals.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Observed {
-    /// Outbox rows sent more than once, and the sends beyond the first over all rows.
+    /// Outbox rows sent more than once.
     pub rows_resent: u64,
+    /// Sends beyond the first, over all rows.
     pub extra_sends: u64,
     /// Inbox rows that arrived after a larger seq of their flow had arrived (rowid order).
     pub out_of_order_arrivals: u64,

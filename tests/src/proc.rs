@@ -37,19 +37,24 @@ pub fn bin_path(name: &str) -> PathBuf {
 
 /// A temp directory for one test or scenario, with the conventional file names.
 pub struct Workdir {
+    /// The directory, removed on drop.
     pub dir: tempfile::TempDir,
 }
 
 impl Workdir {
+    /// A fresh temp directory.
     pub fn new() -> Workdir {
         Workdir { dir: tempfile::Builder::new().prefix("oe-test-").tempdir().expect("temp dir") }
     }
+    /// A file name inside the directory.
     pub fn path(&self, name: &str) -> PathBuf {
         self.dir.path().join(name)
     }
+    /// The producer's database file.
     pub fn producer_db(&self) -> PathBuf {
         self.path("producer.db")
     }
+    /// The consumer's database file.
     pub fn consumer_db(&self) -> PathBuf {
         self.path("consumer.db")
     }
@@ -64,7 +69,9 @@ impl Default for Workdir {
 /// A running server process. Killed (SIGKILL) and reaped on drop.
 pub struct ServerProcess {
     child: Option<Child>,
+    /// The address the server printed (`HOST:PORT`).
     pub addr: String,
+    /// Its stderr log file.
     pub log: PathBuf,
 }
 
@@ -216,15 +223,19 @@ pub fn strip_ours(cmd: &mut Command) {
 
 /// A running producer and a way to call it.
 pub struct Producer {
+    /// The server process.
     pub process: ServerProcess,
+    /// Its database file.
     pub db: PathBuf,
 }
 
 impl Producer {
+    /// Starts a producer on the workdir's file, with `env` added to its environment.
     pub fn start(work: &Workdir, env: &[(&str, &str)]) -> Producer {
         Self::start_on(work.producer_db(), work.path("producer.log"), env)
     }
 
+    /// Starts a producer on `db`, logging to `log`, with `env` added to its environment.
     pub fn start_on(db: PathBuf, log: PathBuf, env: &[(&str, &str)]) -> Producer {
         let args = vec!["--db".into(), db.display().to_string(), "--listen".into(), "127.0.0.1:0".into()];
         Producer { process: ServerProcess::start("producer", &args, env, log), db }
@@ -243,6 +254,7 @@ impl Producer {
         Producer { process, db }
     }
 
+    /// A new client connected to it.
     pub async fn client(&self) -> ProducerClient<Channel> {
         ProducerClient::new(connect(&self.process.url()).await)
     }
@@ -271,15 +283,19 @@ impl Producer {
 
 /// A running consumer and a way to call it.
 pub struct Consumer {
+    /// The server process.
     pub process: ServerProcess,
+    /// Its database file.
     pub db: PathBuf,
 }
 
 impl Consumer {
+    /// Starts a consumer on the workdir's file, with `env` added to its environment.
     pub fn start(work: &Workdir, support_v2: bool, env: &[(&str, &str)]) -> Consumer {
         Self::start_on(work.consumer_db(), work.path("consumer.log"), support_v2, env)
     }
 
+    /// Starts a consumer on `db`, logging to `log`, with `env` added to its environment.
     pub fn start_on(db: PathBuf, log: PathBuf, support_v2: bool, env: &[(&str, &str)]) -> Consumer {
         let mut args = vec!["--db".into(), db.display().to_string(), "--listen".into(), "127.0.0.1:0".into()];
         if support_v2 {
@@ -301,6 +317,7 @@ impl Consumer {
         Consumer { process, db }
     }
 
+    /// A new client connected to it.
     pub async fn client(&self) -> ConsumerClient<Channel> {
         ConsumerClient::new(connect(&self.process.url()).await)
     }
@@ -327,6 +344,7 @@ impl Consumer {
             .into_inner()
     }
 
+    /// One `GetFlow`.
     pub async fn get_flow(&self, flow: &str) -> pb::ConsumerFlow {
         self.client()
             .await
@@ -360,8 +378,11 @@ impl Consumer {
 /// A process run to completion.
 #[derive(Debug)]
 pub struct Finished {
+    /// The exit code (None when killed by a signal).
     pub code: Option<i32>,
+    /// Everything it wrote to stdout.
     pub stdout: String,
+    /// Everything it wrote to stderr.
     pub stderr: String,
 }
 
@@ -419,9 +440,11 @@ pub async fn connect(url: &str) -> Channel {
 /// The outcome of one relay run.
 #[derive(Debug)]
 pub struct RelayRun {
+    /// The exit code (None when killed by a signal).
     pub code: Option<i32>,
     /// Parsed stdout JSON lines.
     pub lines: Vec<serde_json::Value>,
+    /// Everything it wrote to stderr.
     pub stderr: String,
 }
 

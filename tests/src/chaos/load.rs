@@ -27,21 +27,29 @@ use super::cluster::Endpoint;
 pub struct Progress {
     /// Steps acknowledged committed (COMMITTED, or EXISTING after an ambiguous failure).
     pub committed: AtomicU64,
+    /// Flows a client started.
     pub flows_started: AtomicU64,
+    /// Flows that reached `released`.
     pub flows_done: AtomicU64,
+    /// Flows started and not yet done.
     pub in_progress: AtomicU64,
+    /// The most flows in progress at once.
     pub max_in_progress: AtomicU64,
     /// Advance calls that failed ambiguously.
     pub unknown: AtomicU64,
     /// Effect rows and the highest inbox rowid, as the monitor last read them.
     pub applied: AtomicU64,
+    /// The highest inbox rowid seen.
     pub inbox_rows: AtomicU64,
     /// Injected real envelopes, and how the consumer answered them.
     pub injected: AtomicU64,
+    /// Deliveries the injector sent twice.
     pub injected_duplicates: AtomicU64,
+    /// Forged deliveries sent.
     pub forged: AtomicU64,
     /// `ApplyAll` calls and the steps they applied.
     pub apply_calls: AtomicU64,
+    /// Steps the driver's applier applied.
     pub applied_by_applier: AtomicU64,
     /// Set when the fault schedule has run out (the load may then end).
     pub faults_done: AtomicBool,
@@ -99,13 +107,15 @@ impl Progress {
 /// What the load does, from the run's configuration.
 #[derive(Clone, Debug)]
 pub struct LoadOptions {
+    /// The seed of every client's choices.
     pub seed: u64,
     /// Flows to run (`None`: until the load is stopped).
     pub flows: Option<u64>,
     /// Committed-but-unapplied events beyond which no new flow starts.
     pub max_backlog: u64,
-    /// Percent of steps preceded by a decoy request, and of steps sent with schema 2.
+    /// Percent of steps preceded by a decoy request.
     pub decoy_percent: u64,
+    /// Percent of steps sent with schema 2.
     pub schema2_percent: u64,
     /// The injector sends one batch per this many newly committed events.
     pub inject_every: u64,

@@ -26,11 +26,15 @@ use schedule::{KillStep, Quota, Victim};
 /// Minimums a run must reach, or it fails as under-exercised.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct Floors {
+    /// SIGKILLs over all processes.
     pub kills_total: u64,
     /// Per kind of process: producer, consumer, relay.
     pub kills_per_kind: u64,
+    /// Events committed.
     pub committed_events: u64,
+    /// Flows started.
     pub flows: u64,
+    /// The most flows in progress at once.
     pub in_progress: u64,
     /// Duplicate deliveries (DUPLICATE answers to relays or to the injector).
     pub duplicates: u64,
@@ -41,7 +45,9 @@ pub struct Floors {
 /// Everything a chaos run does.
 #[derive(Clone, Debug)]
 pub struct ChaosConfig {
+    /// The profile's name.
     pub profile: &'static str,
+    /// The seed of the schedule and the load.
     pub seed: u64,
     /// Concurrent Advance clients (each has one flow in progress at a time).
     pub clients: usize,
@@ -53,22 +59,29 @@ pub struct ChaosConfig {
     /// One block of the kill schedule, and how many blocks (`None`: as many as `duration`
     /// allows).
     pub quota: Quota,
+    /// Blocks of the schedule (`None`: as many as `duration` allows).
     pub blocks: Option<u64>,
+    /// The coverage floors.
     pub floors: Floors,
     /// Let the consumer apply by itself (`consumer --auto-apply`) instead of the driver's
     /// applier task (an `ApplyAll` loop).
     pub auto_apply: bool,
     /// `relay run` flags.
     pub relay_args: Vec<String>,
+    /// Committed-but-unapplied events beyond which no new flow starts.
     pub max_backlog: u64,
+    /// Percent of steps preceded by a decoy request.
     pub decoy_percent: u64,
+    /// Percent of steps sent with schema 2.
     pub schema2_percent: u64,
     /// Whether the injector runs (early, reordered, duplicate and forged deliveries), and
     /// how often (one batch per this many committed events).
     pub inject: bool,
+    /// One injected batch per this many committed events.
     pub inject_every: u64,
     /// The load and the faults must be done within this; the drain within `drain`.
     pub budget: Duration,
+    /// How long the drain may take.
     pub drain: Duration,
     /// How long any single wait for progress may take before it is reported as a hang.
     pub hang: Duration,
@@ -160,45 +173,75 @@ impl ChaosConfig {
 /// One SIGKILL.
 #[derive(Clone, Debug, Serialize)]
 pub struct KillRecord {
+    /// The schedule step.
     pub step: usize,
+    /// The process killed.
     pub victim: Victim,
+    /// Its pid.
     pub pid: u32,
-    /// The schedule's threshold, and the committed count when the kill happened.
+    /// The schedule's threshold for the step.
     pub threshold: u64,
+    /// The committed count when the kill happened.
     pub at_committed: u64,
+    /// Milliseconds since the run started.
     pub at_ms: u64,
 }
 
 /// What a run did and what the checker said.
 #[derive(Clone, Debug, Serialize)]
 pub struct ChaosReport {
+    /// The profile's name.
     pub profile: &'static str,
+    /// The run's seed.
     pub seed: u64,
+    /// Wall time of the whole run.
     pub seconds: f64,
+    /// Wall time of the load and faults.
     pub load_seconds: f64,
+    /// Wall time of the drain (None: it timed out).
     pub drain_seconds: Option<f64>,
+    /// SIGKILLs per kind of process.
     pub kills_per_kind: BTreeMap<&'static str, u64>,
+    /// SIGKILLs over all processes.
     pub kills_total: u64,
+    /// Schedule steps that killed two processes at once.
     pub double_kill_steps: u64,
+    /// Events committed.
     pub committed_events: u64,
+    /// Flows started.
     pub flows: u64,
+    /// The most flows in progress at once.
     pub max_in_progress: u64,
+    /// Advance calls with an ambiguous outcome (retried with the same event id).
     pub unknown_calls: u64,
+    /// Advance calls made.
     pub advance_calls: u64,
+    /// The relays' delivery outcomes, counted by word.
     pub relay_answers: BTreeMap<String, u64>,
+    /// Relay stdout lines cut off by a kill.
     pub relay_truncated_lines: u64,
+    /// Deliveries the injector sent.
     pub injected: u64,
+    /// Deliveries the injector sent twice.
     pub injected_duplicates: u64,
+    /// Forged deliveries sent.
     pub forged: u64,
+    /// DUPLICATE answers seen.
     pub duplicates: u64,
+    /// Redeliveries and late arrivals read from the files.
     pub observed: Observed,
+    /// Consumer restarts that could not take the old address back (relays were moved).
     pub consumer_moves: u64,
     /// A hash of the schedule steps that ran (thresholds and victims): the same seed and the
     /// same number of kills give the same fingerprint.
     pub schedule_fingerprint: String,
+    /// The checker's verdict.
     pub verdict: Verdict,
+    /// The floors not reached.
     pub unmet_floors: Vec<String>,
+    /// What stopped the run early (a hang, a failed start), if anything.
     pub fatal: Option<String>,
+    /// Every SIGKILL made.
     pub kills: Vec<KillRecord>,
 }
 
