@@ -10,7 +10,9 @@ use crate::proc::{RelayRun, bin_path, wait_with_deadline};
 /// A `relay run` child. Killed on drop if still running.
 pub struct RelayDaemon {
     child: Option<Child>,
+    /// Where its stdout goes.
     pub stdout: PathBuf,
+    /// Where its stderr goes.
     pub stderr: PathBuf,
 }
 

@@ -7,20 +7,30 @@ use std::fmt::Write as _;
 /// A payload member value (the transport allows scalars only).
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Value {
+    /// A JSON string.
     Str(String),
+    /// A JSON integer.
     Int(i64),
+    /// `true` or `false`.
     Bool(bool),
+    /// `null`.
     Null,
 }
 
 /// An event's six fields, with the payload as (name, value) members in any order.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Body {
+    /// The event id.
     pub event_id: String,
+    /// The flow.
     pub flow_id: String,
+    /// The step's seq in its flow.
     pub seq: u64,
+    /// The step kind.
     pub kind: String,
+    /// The payload schema.
     pub schema: u32,
+    /// The payload members, in any order.
     pub payload: Vec<(String, Value)>,
 }
 

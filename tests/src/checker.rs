@@ -1,5 +1,5 @@
-//! The independent checker of a chaos run (issue 9). After the faults stop and the system
-//! drains, it reads producer.db and consumer.db with its own SQL (no service store, no
+//! The independent checker of a chaos run. After the faults stop and the system
+//! drains, it reads producer.db and consumer.db through `harness::db` (no service store, no
 //! protocol module) and the clients' recorded answers, and reports every breach of:
 //!
 //! - I1 every committed event (outbox row, or an Advance answered COMMITTED/EXISTING) is in
@@ -17,25 +17,32 @@
 //! Besides these, `Answers` flags an Advance answer the spec does not allow for its request.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use rusqlite::{Connection, OpenFlags};
 use serde::{Deserialize, Serialize};
 
 use crate::canon;
+use crate::db::{self, EffectRow, InboxRow, OutboxRow, ProjectionRow};
 
 /// One property the checker judges.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 pub enum Invariant {
     /// Every Advance answer is one the spec allows for that request.
     Answers,
+    /// I1: every committed event is applied.
     I1CommittedApplied,
+    /// I2: no (flow, seq) or event id has two effects.
     I2OneEffect,
+    /// I3: each flow's effects are exactly seqs 1..n in order.
     I3Contiguous,
+    /// I4: nothing the producer refused is stored or applied.
     I4RefusedNotApplied,
+    /// I5: no conflicting body was stored or applied.
     I5NoConflictingBody,
+    /// I6: pending work drains to zero within the deadline.
     I6Drained,
+    /// I7: `PRAGMA integrity_check` is ok on both files.
     I7Integrity,
 }
 
@@ -100,24 +107,34 @@ pub enum Intent {
 /// What one Advance call got back.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Answer {
+    /// COMMITTED, with the stored event's body.
     Committed {
+        /// The canonical body answered.
         body: String,
     },
+    /// EXISTING, with the stored event's body.
     Existing {
+        /// The canonical body answered.
         body: String,
     },
+    /// CONFLICT, with the stored event's body.
     Conflict {
+        /// The canonical body answered.
         body: String,
     },
+    /// STALE.
     Stale,
+    /// INVALID_TRANSITION.
     InvalidTransition,
     /// The call failed ambiguously (transport error, server gone): it may or may not have
     /// committed. The client retries it with the same event id.
     Unknown {
+        /// The error seen.
         error: String,
     },
     /// Anything else (INVALID_ARGUMENT, an unspecified outcome): never allowed here.
     Other {
+        /// What came back.
         what: String,
     },
 }
@@ -125,13 +142,21 @@ pub enum Answer {
 /// One Advance call and its answer, as a client recorded it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AdvanceRecord {
+    /// The flow.
     pub flow_id: String,
+    /// The event id sent.
     pub event_id: String,
+    /// The seq the client believed the flow was at.
     pub expected_seq: u64,
+    /// The step kind asked for.
     pub kind: String,
+    /// The payload schema.
     pub schema: u32,
+    /// The amount.
     pub amount: i64,
+    /// Why the client sent it.
     pub intent: Intent,
+    /// What came back.
     pub answer: Answer,
 }
 
@@ -154,8 +179,11 @@ impl AdvanceRecord {
 /// (must be SEQUENCE_CONFLICT). Neither may ever be stored.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ForgedRecord {
+    /// The event id sent.
     pub event_id: String,
+    /// The flow.
     pub flow_id: String,
+    /// The seq sent.
     pub seq: u64,
     /// The canonical body of what was sent.
     pub body: String,
@@ -166,31 +194,40 @@ pub struct ForgedRecord {
 /// Everything the clients saw.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct History {
+    /// Every Advance call, in the order recorded.
     pub advances: Vec<AdvanceRecord>,
+    /// Every forged delivery.
     pub forged: Vec<ForgedRecord>,
 }
 
 /// The two database files.
 #[derive(Clone, Debug)]
 pub struct Files {
+    /// producer.db.
     pub producer_db: PathBuf,
+    /// consumer.db.
     pub consumer_db: PathBuf,
 }
 
 /// One breach.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Violation {
+    /// Which invariant.
     pub invariant: Invariant,
+    /// What was seen.
     pub detail: String,
 }
 
 /// The checker's judgement and what it read.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Verdict {
+    /// Every breach found.
     pub violations: Vec<Violation>,
-    /// Outbox rows (committed events) and distinct flows with at least one.
+    /// Outbox rows (committed events).
     pub committed_events: u64,
+    /// Distinct flows with at least one committed event.
     pub committed_flows: u64,
+    /// Effect rows.
     pub effects: u64,
 }
 
@@ -232,15 +269,18 @@ pub enum Drain {
     /// Nothing was pending after this long.
     Drained(Duration),
     /// Still pending at the deadline: unaccepted outbox rows, unapplied inbox rows.
-    TimedOut { unaccepted: u64, unapplied: u64 },
+    TimedOut {
+        /// Unaccepted outbox rows.
+        unaccepted: u64,
+        /// Unapplied inbox rows.
+        unapplied: u64,
+    },
 }
 
 /// Counts of pending work: (unaccepted outbox rows, unapplied inbox rows).
 pub fn pending(files: &Files) -> Result<(u64, u64), String> {
-    let p = open_ro(&files.producer_db)?;
-    let c = open_ro(&files.consumer_db)?;
-    let unaccepted = count(&p, "SELECT count(*) FROM outbox WHERE accepted = 0")?;
-    let unapplied = count(&c, "SELECT count(*) FROM inbox WHERE state <> 'applied'")?;
+    let unaccepted = db::count_unaccepted(&db::try_open_ro(&files.producer_db)?)?;
+    let unapplied = db::count_unapplied(&db::try_open_ro(&files.consumer_db)?)?;
     Ok((unaccepted, unapplied))
 }
 
@@ -262,181 +302,119 @@ pub fn wait_drained(files: &Files, deadline: Duration) -> Drain {
     }
 }
 
-/// What the files hold, read with the checker's own SQL.
+/// What the files hold, read through [`crate::db`].
 #[derive(Clone, Debug, Default)]
 pub struct Snapshot {
+    /// producer.db's outbox.
     pub outbox: Vec<OutboxRow>,
+    /// consumer.db's inbox.
     pub inbox: Vec<InboxRow>,
+    /// consumer.db's effects, in apply order.
     pub effects: Vec<EffectRow>,
+    /// consumer.db's projections.
     pub projections: Vec<ProjectionRow>,
 }
 
-/// An outbox row.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct OutboxRow {
-    pub event_id: String,
-    pub flow_id: String,
-    pub seq: u64,
-    pub kind: String,
-    pub body: String,
-    pub accepted: bool,
-    pub attempts: u64,
-}
-
-/// An inbox row with its arrival order (rowid).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct InboxRow {
-    pub rowid: i64,
-    pub event_id: String,
-    pub flow_id: String,
-    pub seq: u64,
-    pub state: String,
-    pub body: String,
-}
-
-/// An effect row with its apply order (rowid).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct EffectRow {
-    pub rowid: i64,
-    pub event_id: String,
-    pub flow_id: String,
-    pub seq: u64,
-    pub kind: String,
-    pub held: i64,
-}
-
-/// A projection row.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ProjectionRow {
-    pub flow_id: String,
-    pub last_seq: u64,
-    pub state: String,
-    pub held: i64,
-}
-
-fn open_ro(path: &Path) -> Result<Connection, String> {
-    let conn = Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_ONLY)
-        .map_err(|e| format!("open {}: {e}", path.display()))?;
-    conn.busy_timeout(Duration::from_secs(10)).map_err(|e| format!("busy timeout: {e}"))?;
-    Ok(conn)
-}
-
-fn count(conn: &Connection, sql: &str) -> Result<u64, String> {
-    conn.query_row(sql, [], |r| r.get::<_, i64>(0)).map(|n| n as u64).map_err(|e| format!("{sql}: {e}"))
-}
-
-fn rows<T>(
-    conn: &Connection,
-    sql: &str,
-    map: impl FnMut(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
-) -> Result<Vec<T>, String> {
-    let mut stmt = conn.prepare(sql).map_err(|e| format!("{sql}: {e}"))?;
-    let out = stmt.query_map([], map).map_err(|e| format!("{sql}: {e}"))?;
-    out.collect::<rusqlite::Result<Vec<T>>>().map_err(|e| format!("{sql}: {e}"))
-}
-
 impl Snapshot {
-    /// Reads both files (each in one read transaction).
+    /// Reads both files, each in one read transaction (so a file's tables agree).
     pub fn read(files: &Files) -> Result<Snapshot, String> {
-        let mut p = open_ro(&files.producer_db)?;
+        let mut p = db::try_open_ro(&files.producer_db)?;
         let p = p.transaction().map_err(|e| format!("producer.db: {e}"))?;
-        let outbox = rows(
-            &p,
-            "SELECT event_id, flow_id, seq, kind, body, accepted, attempts FROM outbox ORDER BY rowid",
-            |r| {
-                Ok(OutboxRow {
-                    event_id: r.get(0)?,
-                    flow_id: r.get(1)?,
-                    seq: r.get::<_, i64>(2)? as u64,
-                    kind: r.get(3)?,
-                    body: r.get(4)?,
-                    accepted: r.get::<_, i64>(5)? != 0,
-                    attempts: r.get::<_, i64>(6)? as u64,
-                })
-            },
-        )?;
-        let mut c = open_ro(&files.consumer_db)?;
+        let outbox = db::read_outbox(&p)?;
+        let mut c = db::try_open_ro(&files.consumer_db)?;
         let c = c.transaction().map_err(|e| format!("consumer.db: {e}"))?;
-        let inbox =
-            rows(&c, "SELECT rowid, event_id, flow_id, seq, state, body FROM inbox ORDER BY rowid", |r| {
-                Ok(InboxRow {
-                    rowid: r.get(0)?,
-                    event_id: r.get(1)?,
-                    flow_id: r.get(2)?,
-                    seq: r.get::<_, i64>(3)? as u64,
-                    state: r.get(4)?,
-                    body: r.get(5)?,
-                })
-            })?;
-        let effects =
-            rows(&c, "SELECT rowid, event_id, flow_id, seq, kind, held FROM effect ORDER BY rowid", |r| {
-                Ok(EffectRow {
-                    rowid: r.get(0)?,
-                    event_id: r.get(1)?,
-                    flow_id: r.get(2)?,
-                    seq: r.get::<_, i64>(3)? as u64,
-                    kind: r.get(4)?,
-                    held: r.get(5)?,
-                })
-            })?;
-        let projections =
-            rows(&c, "SELECT flow_id, last_seq, state, held FROM projection ORDER BY flow_id", |r| {
-                Ok(ProjectionRow {
-                    flow_id: r.get(0)?,
-                    last_seq: r.get::<_, i64>(1)? as u64,
-                    state: r.get(2)?,
-                    held: r.get(3)?,
-                })
-            })?;
+        let inbox = db::read_inbox(&c)?;
+        let effects = db::read_effects(&c)?;
+        let projections = db::read_projections(&c)?;
         Ok(Snapshot { outbox, inbox, effects, projections })
     }
-}
-
-/// `PRAGMA integrity_check` on one file: `Ok` when it answers exactly `ok`.
-pub fn integrity(path: &Path) -> Result<(), String> {
-    let conn = open_ro(path)?;
-    let lines = rows(&conn, "PRAGMA integrity_check", |r| r.get::<_, String>(0))?;
-    if lines == ["ok"] { Ok(()) } else { Err(lines.join("; ")) }
 }
 
 /// The kinds of a flow's seqs 1, 2, 3.
 const KINDS: [&str; 3] = ["reserved", "confirmed", "released"];
 
-/// Judges the files and the history. `drain` is how the wait for pending work ended (see
-/// [`wait_drained`]); the final snapshot is judged for pending rows too.
+/// Judges the files and the history: each invariant by its own function below. `drain` is
+/// how the wait for pending work ended (see [`wait_drained`]); the final snapshot is judged
+/// for pending rows too.
 pub fn check(files: &Files, history: &History, drain: &Drain) -> Verdict {
     let mut v = Verdict::default();
-    let mut flag = |invariant: Invariant, detail: String| v.violations.push(Violation { invariant, detail });
-
-    for (name, path) in [("producer.db", &files.producer_db), ("consumer.db", &files.consumer_db)] {
-        if let Err(e) = integrity(path) {
-            flag(Invariant::I7Integrity, format!("{name}: {e}"));
-        }
-    }
-    if let Drain::TimedOut { unaccepted, unapplied } = drain {
-        flag(
-            Invariant::I6Drained,
-            format!(
-                "still pending at the deadline: {unaccepted} unaccepted outbox rows, {unapplied} unapplied inbox rows"
-            ),
-        );
-    }
+    let mut flag = |invariant: Invariant, details: Vec<String>| {
+        v.violations.extend(details.into_iter().map(|detail| Violation { invariant, detail }));
+    };
+    flag(Invariant::I7Integrity, i7_integrity(files));
     let snap = match Snapshot::read(files) {
         Ok(s) => s,
         Err(e) => {
-            flag(Invariant::I7Integrity, format!("the files cannot be read: {e}"));
+            flag(Invariant::I7Integrity, vec![format!("the files cannot be read: {e}")]);
+            flag(Invariant::I6Drained, i6_drained(drain, &Snapshot::default()));
             return v;
         }
     };
-    check_answers(history, &mut flag);
-    check_snapshot(&snap, history, &mut flag);
+    let ix = Index::new(&snap, history);
+    flag(Invariant::Answers, allowed_answers(history));
+    flag(Invariant::I1CommittedApplied, i1_committed_applied(&ix, &snap));
+    flag(Invariant::I2OneEffect, i2_one_effect(&ix));
+    flag(Invariant::I3Contiguous, i3_contiguous(&ix, &snap));
+    flag(Invariant::I4RefusedNotApplied, i4_refused_not_applied(&ix, history));
+    flag(Invariant::I5NoConflictingBody, i5_no_conflicting_body(&ix, &snap, history));
+    flag(Invariant::I6Drained, i6_drained(drain, &snap));
     v.committed_events = snap.outbox.len() as u64;
     v.committed_flows = snap.outbox.iter().map(|r| &r.flow_id).collect::<BTreeSet<_>>().len() as u64;
     v.effects = snap.effects.len() as u64;
     v
 }
 
-fn check_answers(history: &History, flag: &mut impl FnMut(Invariant, String)) {
+/// The snapshot and history looked up the ways the invariants need them.
+struct Index<'a> {
+    outbox: HashMap<&'a str, &'a OutboxRow>,
+    inbox: HashMap<&'a str, &'a InboxRow>,
+    effects_by_id: HashMap<&'a str, Vec<&'a EffectRow>>,
+    effects_by_seq: BTreeMap<(&'a str, u64), Vec<&'a EffectRow>>,
+    /// Per flow, in apply order.
+    effects_by_flow: BTreeMap<&'a str, Vec<&'a EffectRow>>,
+    /// Event id → body, for every Advance a client was told is committed.
+    acknowledged: BTreeMap<&'a str, &'a str>,
+    /// Fresh ids answered STALE or INVALID_TRANSITION and never acknowledged committed.
+    refused_ids: BTreeSet<&'a str>,
+}
+
+impl<'a> Index<'a> {
+    fn new(snap: &'a Snapshot, history: &'a History) -> Index<'a> {
+        let mut ix = Index {
+            outbox: snap.outbox.iter().map(|r| (r.event_id.as_str(), r)).collect(),
+            inbox: snap.inbox.iter().map(|r| (r.event_id.as_str(), r)).collect(),
+            effects_by_id: HashMap::new(),
+            effects_by_seq: BTreeMap::new(),
+            effects_by_flow: BTreeMap::new(),
+            acknowledged: BTreeMap::new(),
+            refused_ids: BTreeSet::new(),
+        };
+        for e in &snap.effects {
+            ix.effects_by_id.entry(&e.event_id).or_default().push(e);
+            ix.effects_by_seq.entry((&e.flow_id, e.seq)).or_default().push(e);
+            ix.effects_by_flow.entry(&e.flow_id).or_default().push(e);
+        }
+        for r in &history.advances {
+            if let (Intent::Step, Answer::Committed { body } | Answer::Existing { body }) =
+                (&r.intent, &r.answer)
+            {
+                ix.acknowledged.insert(&r.event_id, body);
+            }
+        }
+        for r in &history.advances {
+            if matches!(r.answer, Answer::Stale | Answer::InvalidTransition)
+                && !ix.acknowledged.contains_key(r.event_id.as_str())
+            {
+                ix.refused_ids.insert(&r.event_id);
+            }
+        }
+        ix
+    }
+}
+
+/// Every Advance answer is one the spec allows for its request.
+fn allowed_answers(history: &History) -> Vec<String> {
+    let mut out = Vec::new();
     for r in &history.advances {
         let requested = r.requested_body();
         let ok = match (&r.intent, &r.answer) {
@@ -448,227 +426,213 @@ fn check_answers(history: &History, flag: &mut impl FnMut(Invariant, String)) {
             _ => false,
         };
         if !ok {
-            flag(
-                Invariant::Answers,
-                format!(
-                    "{} ({:?}, expected_seq {}) was answered {:?}",
-                    r.event_id, r.intent, r.expected_seq, r.answer
-                ),
-            );
+            out.push(format!(
+                "{} ({:?}, expected_seq {}) was answered {:?}",
+                r.event_id, r.intent, r.expected_seq, r.answer
+            ));
         }
     }
-    for f in &history.forged {
-        if f.answer == "ACCEPTED" || f.answer == "DUPLICATE" {
-            flag(
-                Invariant::I5NoConflictingBody,
-                format!(
-                    "forged delivery {} (flow {}, seq {}) was answered {}",
-                    f.event_id, f.flow_id, f.seq, f.answer
-                ),
-            );
-        }
-    }
+    out
 }
 
-fn check_snapshot(snap: &Snapshot, history: &History, flag: &mut impl FnMut(Invariant, String)) {
-    let outbox: HashMap<&str, &OutboxRow> = snap.outbox.iter().map(|r| (r.event_id.as_str(), r)).collect();
-    let inbox: HashMap<&str, &InboxRow> = snap.inbox.iter().map(|r| (r.event_id.as_str(), r)).collect();
-    let mut effects_by_id: HashMap<&str, Vec<&EffectRow>> = HashMap::new();
-    let mut effects_by_seq: BTreeMap<(&str, u64), Vec<&EffectRow>> = BTreeMap::new();
-    let mut effects_by_flow: BTreeMap<&str, Vec<&EffectRow>> = BTreeMap::new();
-    for e in &snap.effects {
-        effects_by_id.entry(&e.event_id).or_default().push(e);
-        effects_by_seq.entry((&e.flow_id, e.seq)).or_default().push(e);
-        effects_by_flow.entry(&e.flow_id).or_default().push(e);
-    }
-
-    // I1: committed = outbox rows plus everything a client was told is committed.
-    let mut acknowledged: BTreeMap<&str, &str> = BTreeMap::new();
-    for r in &history.advances {
-        if let (Intent::Step, Answer::Committed { body } | Answer::Existing { body }) = (&r.intent, &r.answer)
-        {
-            acknowledged.insert(&r.event_id, body);
-        }
-    }
-    for (id, body) in &acknowledged {
-        match outbox.get(id) {
-            None => flag(
-                Invariant::I1CommittedApplied,
-                format!("{id} was acknowledged committed but is not in the outbox"),
-            ),
-            Some(row) if row.body != *body => flag(
-                Invariant::I1CommittedApplied,
-                format!("{id} was acknowledged with body {body} but the outbox holds {}", row.body),
-            ),
+/// I1: every committed event (an outbox row, or an Advance acknowledged COMMITTED/EXISTING)
+/// is in the outbox with the acknowledged body, and applied (an effect and an `applied` row).
+fn i1_committed_applied(ix: &Index<'_>, snap: &Snapshot) -> Vec<String> {
+    let mut out = Vec::new();
+    for (id, body) in &ix.acknowledged {
+        match ix.outbox.get(id) {
+            None => out.push(format!("{id} was acknowledged committed but is not in the outbox")),
+            Some(row) if row.body != *body => {
+                out.push(format!("{id} was acknowledged with body {body} but the outbox holds {}", row.body))
+            }
             Some(_) => {}
         }
     }
     for row in &snap.outbox {
-        let applied_row = inbox.get(row.event_id.as_str()).is_some_and(|i| i.state == "applied");
-        let has_effect = effects_by_id.contains_key(row.event_id.as_str());
+        let applied_row = ix.inbox.get(row.event_id.as_str()).is_some_and(|i| i.state == "applied");
+        let has_effect = ix.effects_by_id.contains_key(row.event_id.as_str());
         if !applied_row || !has_effect {
-            let state = inbox.get(row.event_id.as_str()).map_or("absent", |i| i.state.as_str());
-            flag(
-                Invariant::I1CommittedApplied,
-                format!(
-                    "committed {} (flow {}, seq {}) is not applied: inbox {state}, effect {}",
-                    row.event_id,
-                    row.flow_id,
-                    row.seq,
-                    if has_effect { "present" } else { "absent" }
-                ),
-            );
+            let state = ix.inbox.get(row.event_id.as_str()).map_or("absent", |i| i.state.as_str());
+            out.push(format!(
+                "committed {} (flow {}, seq {}) is not applied: inbox {state}, effect {}",
+                row.event_id,
+                row.flow_id,
+                row.seq,
+                if has_effect { "present" } else { "absent" }
+            ));
         }
     }
+    out
+}
 
-    // I2: one effect per (flow, seq) and per event id.
-    for ((flow, seq), list) in &effects_by_seq {
+/// I2: one effect per (flow, seq) and per event id.
+fn i2_one_effect(ix: &Index<'_>) -> Vec<String> {
+    let mut out = Vec::new();
+    for ((flow, seq), list) in &ix.effects_by_seq {
         if list.len() > 1 {
             let ids: Vec<&str> = list.iter().map(|e| e.event_id.as_str()).collect();
-            flag(
-                Invariant::I2OneEffect,
-                format!("flow {flow} seq {seq} has {} effects: {ids:?}", list.len()),
-            );
+            out.push(format!("flow {flow} seq {seq} has {} effects: {ids:?}", list.len()));
         }
     }
-    for (id, list) in &effects_by_id {
+    for (id, list) in &ix.effects_by_id {
         if list.len() > 1 {
-            flag(Invariant::I2OneEffect, format!("event {id} has {} effects", list.len()));
+            out.push(format!("event {id} has {} effects", list.len()));
         }
     }
+    out
+}
 
-    // I3: per flow, effects in apply order are 1..n with the legal kinds; projection at n.
+/// I3: per flow, the effects in apply order are seqs 1..n with the legal kinds, and the
+/// projection stands at the last of them (and no projection stands without effects).
+fn i3_contiguous(ix: &Index<'_>, snap: &Snapshot) -> Vec<String> {
+    let mut out = Vec::new();
     let projections: HashMap<&str, &ProjectionRow> =
         snap.projections.iter().map(|p| (p.flow_id.as_str(), p)).collect();
-    for (flow, list) in &effects_by_flow {
+    for (flow, list) in &ix.effects_by_flow {
         let seqs: Vec<u64> = list.iter().map(|e| e.seq).collect();
         let expected: Vec<u64> = (1..=list.len() as u64).collect();
         if seqs != expected {
-            flag(Invariant::I3Contiguous, format!("flow {flow}: effects in apply order have seqs {seqs:?}"));
+            out.push(format!("flow {flow}: effects in apply order have seqs {seqs:?}"));
             continue;
         }
         for e in list {
             let legal = KINDS.get(e.seq as usize - 1).copied();
             if legal != Some(e.kind.as_str()) {
-                flag(Invariant::I3Contiguous, format!("flow {flow}: seq {} applied as {:?}", e.seq, e.kind));
+                out.push(format!("flow {flow}: seq {} applied as {:?}", e.seq, e.kind));
             }
         }
         let last = list[list.len() - 1];
         match projections.get(flow) {
             Some(p) if p.last_seq == last.seq && p.state == last.kind && p.held == last.held => {}
-            other => flag(
-                Invariant::I3Contiguous,
-                format!(
-                    "flow {flow}: last effect is seq {} {} held {}, projection {other:?}",
-                    last.seq, last.kind, last.held
-                ),
-            ),
+            other => out.push(format!(
+                "flow {flow}: last effect is seq {} {} held {}, projection {other:?}",
+                last.seq, last.kind, last.held
+            )),
         }
     }
     for p in &snap.projections {
-        if !effects_by_flow.contains_key(p.flow_id.as_str()) {
-            flag(Invariant::I3Contiguous, format!("flow {}: projection {p:?} but no effects", p.flow_id));
+        if !ix.effects_by_flow.contains_key(p.flow_id.as_str()) {
+            out.push(format!("flow {}: projection {p:?} but no effects", p.flow_id));
         }
     }
+    out
+}
 
-    // I4: refused requests never stored or applied. A fresh id answered STALE or
-    // INVALID_TRANSITION (and never committed) must be nowhere; a CONFLICT request's body
-    // must never be the stored one.
-    let mut refused_ids: BTreeSet<&str> = BTreeSet::new();
-    for r in &history.advances {
-        if matches!(r.answer, Answer::Stale | Answer::InvalidTransition)
-            && !acknowledged.contains_key(r.event_id.as_str())
-        {
-            refused_ids.insert(&r.event_id);
-        }
-    }
-    for id in &refused_ids {
+/// I4: nothing the producer refused is stored or applied. A fresh id answered STALE or
+/// INVALID_TRANSITION (and never committed) must be nowhere; a CONFLICT request's body must
+/// never be the stored one.
+fn i4_refused_not_applied(ix: &Index<'_>, history: &History) -> Vec<String> {
+    let mut out = Vec::new();
+    for id in &ix.refused_ids {
         let places: Vec<&str> = [
-            ("outbox", outbox.contains_key(id)),
-            ("inbox", inbox.contains_key(id)),
-            ("effect", effects_by_id.contains_key(id)),
+            ("outbox", ix.outbox.contains_key(id)),
+            ("inbox", ix.inbox.contains_key(id)),
+            ("effect", ix.effects_by_id.contains_key(id)),
         ]
         .into_iter()
         .filter_map(|(name, hit)| hit.then_some(name))
         .collect();
         if !places.is_empty() {
-            flag(Invariant::I4RefusedNotApplied, format!("refused {id} is in {places:?}"));
+            out.push(format!("refused {id} is in {places:?}"));
         }
     }
     for r in &history.advances {
         if matches!(r.answer, Answer::Conflict { .. }) {
             let refused = r.requested_body();
             let stored = [
-                outbox.get(r.event_id.as_str()).map(|o| &o.body),
-                inbox.get(r.event_id.as_str()).map(|i| &i.body),
+                ix.outbox.get(r.event_id.as_str()).map(|o| &o.body),
+                ix.inbox.get(r.event_id.as_str()).map(|i| &i.body),
             ];
             if stored.iter().flatten().any(|b| **b == refused) {
-                flag(
-                    Invariant::I4RefusedNotApplied,
-                    format!("the refused conflicting body of {} is stored", r.event_id),
-                );
+                out.push(format!("the refused conflicting body of {} is stored", r.event_id));
             }
         }
     }
+    out
+}
 
-    // I5: what the consumer stored and applied is exactly what the producer committed.
+/// I5: what the consumer stored and applied is exactly what the producer committed: every
+/// inbox body is byte-identical to the outbox body of its id, effects match the outbox, and
+/// no forged delivery was accepted or stored.
+fn i5_no_conflicting_body(ix: &Index<'_>, snap: &Snapshot, history: &History) -> Vec<String> {
+    let mut out = Vec::new();
     for i in &snap.inbox {
-        match outbox.get(i.event_id.as_str()) {
+        match ix.outbox.get(i.event_id.as_str()) {
             Some(o) if o.body == i.body => {}
-            Some(o) => flag(
-                Invariant::I5NoConflictingBody,
-                format!(
-                    "{} ({}): inbox body {} differs from the outbox body {}",
-                    i.event_id, i.state, i.body, o.body
-                ),
-            ),
-            None if refused_ids.contains(i.event_id.as_str()) => {}
-            None => flag(
-                Invariant::I5NoConflictingBody,
-                format!("{} ({}) is in the inbox but the producer never committed it", i.event_id, i.state),
-            ),
+            Some(o) => out.push(format!(
+                "{} ({}): inbox body {} differs from the outbox body {}",
+                i.event_id, i.state, i.body, o.body
+            )),
+            None if ix.refused_ids.contains(i.event_id.as_str()) => {}
+            None => out.push(format!(
+                "{} ({}) is in the inbox but the producer never committed it",
+                i.event_id, i.state
+            )),
         }
     }
     for e in &snap.effects {
-        if let Some(o) = outbox.get(e.event_id.as_str()) {
+        if let Some(o) = ix.outbox.get(e.event_id.as_str()) {
             if (o.flow_id.as_str(), o.seq, o.kind.as_str()) != (e.flow_id.as_str(), e.seq, e.kind.as_str()) {
-                flag(
-                    Invariant::I5NoConflictingBody,
-                    format!(
-                        "effect {} is flow {} seq {} {} but the outbox says flow {} seq {} {}",
-                        e.event_id, e.flow_id, e.seq, e.kind, o.flow_id, o.seq, o.kind
-                    ),
-                );
+                out.push(format!(
+                    "effect {} is flow {} seq {} {} but the outbox says flow {} seq {} {}",
+                    e.event_id, e.flow_id, e.seq, e.kind, o.flow_id, o.seq, o.kind
+                ));
             }
-        } else if !refused_ids.contains(e.event_id.as_str()) {
-            flag(Invariant::I5NoConflictingBody, format!("effect {} has no committed event", e.event_id));
+        } else if !ix.refused_ids.contains(e.event_id.as_str()) {
+            out.push(format!("effect {} has no committed event", e.event_id));
         }
     }
     for f in &history.forged {
-        if inbox.get(f.event_id.as_str()).is_some_and(|i| i.body == f.body) {
-            flag(
-                Invariant::I5NoConflictingBody,
-                format!("forged delivery {} is stored in the inbox", f.event_id),
-            );
+        if f.answer == "ACCEPTED" || f.answer == "DUPLICATE" {
+            out.push(format!(
+                "forged delivery {} (flow {}, seq {}) was answered {}",
+                f.event_id, f.flow_id, f.seq, f.answer
+            ));
+        }
+        if ix.inbox.get(f.event_id.as_str()).is_some_and(|i| i.body == f.body) {
+            out.push(format!("forged delivery {} is stored in the inbox", f.event_id));
         }
     }
+    out
+}
 
-    // I6 on the final files as well: nothing left pending.
+/// I6: pending work drained within the deadline, and the final files hold none.
+fn i6_drained(drain: &Drain, snap: &Snapshot) -> Vec<String> {
+    let mut out = Vec::new();
+    if let Drain::TimedOut { unaccepted, unapplied } = drain {
+        out.push(format!(
+            "still pending at the deadline: {unaccepted} unaccepted outbox rows, {unapplied} unapplied inbox rows"
+        ));
+    }
     let unaccepted = snap.outbox.iter().filter(|o| !o.accepted).count();
     let unapplied = snap.inbox.iter().filter(|i| i.state != "applied").count();
     if unaccepted + unapplied > 0 {
-        flag(
-            Invariant::I6Drained,
-            format!("final files: {unaccepted} unaccepted outbox rows, {unapplied} unapplied inbox rows"),
-        );
+        out.push(format!(
+            "final files: {unaccepted} unaccepted outbox rows, {unapplied} unapplied inbox rows"
+        ));
     }
+    out
+}
+
+/// I7: `PRAGMA integrity_check` is `ok` on both files.
+fn i7_integrity(files: &Files) -> Vec<String> {
+    [("producer.db", &files.producer_db), ("consumer.db", &files.consumer_db)]
+        .into_iter()
+        .filter_map(|(name, path)| {
+            db::try_open_ro(path)
+                .and_then(|conn| db::integrity_check(&conn))
+                .err()
+                .map(|e| format!("{name}: {e}"))
+        })
+        .collect()
 }
 
 /// What the run exercised, read from the files: redeliveries and out-of-order arrivals.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Observed {
-    /// Outbox rows sent more than once, and the sends beyond the first over all rows.
+    /// Outbox rows sent more than once.
     pub rows_resent: u64,
+    /// Sends beyond the first, over all rows.
     pub extra_sends: u64,
     /// Inbox rows that arrived after a larger seq of their flow had arrived (rowid order).
     pub out_of_order_arrivals: u64,
@@ -688,7 +652,9 @@ pub fn observe(snap: &Snapshot) -> Observed {
     }
     let mut max_seen: HashMap<&str, u64> = HashMap::new();
     let mut flows: BTreeSet<&str> = BTreeSet::new();
-    for row in &snap.inbox {
+    let mut arrivals: Vec<&InboxRow> = snap.inbox.iter().collect();
+    arrivals.sort_by_key(|r| r.rowid);
+    for row in arrivals {
         let seen = max_seen.entry(&row.flow_id).or_insert(0);
         if row.seq < *seen {
             o.out_of_order_arrivals += 1;

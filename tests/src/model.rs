@@ -46,12 +46,19 @@ pub fn step(from_seq: u64, fixed_amount: i64, kind: &str, amount: i64) -> Result
 /// a transport limit (the generator knows, because it built it that way).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Envelope {
+    /// The event id.
     pub event_id: String,
+    /// The flow.
     pub flow_id: String,
+    /// The step's seq in its flow.
     pub seq: u64,
+    /// The step kind.
     pub kind: String,
+    /// The payload schema.
     pub schema: u32,
+    /// The payload members, in the order sent.
     pub payload: Vec<(String, Value)>,
+    /// Whether it breaks a transport limit (answered REJECTED).
     pub rejected: bool,
 }
 
@@ -73,10 +80,15 @@ impl Envelope {
 /// Receive's answer (the proto enum's short word).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Receive {
+    /// Stored.
     Accepted,
+    /// The same body under a stored id: nothing written.
     Duplicate,
+    /// Another body under a stored id: refused.
     IdConflict,
+    /// Another id at a stored (flow, seq): refused.
     SequenceConflict,
+    /// Breaks a transport limit: nothing stored.
     Rejected,
 }
 
@@ -96,12 +108,19 @@ impl Receive {
 /// An inbox row in the model.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct InboxRow {
+    /// The event id.
     pub event_id: String,
+    /// The flow.
     pub flow_id: String,
+    /// The step's seq in its flow.
     pub seq: u64,
+    /// The step kind.
     pub kind: String,
+    /// The payload schema.
     pub schema: u32,
+    /// The canonical body.
     pub body: String,
+    /// The payload members.
     pub payload: Vec<(String, Value)>,
     /// `pending`, `blocked` or `applied`.
     pub state: &'static str,
@@ -112,8 +131,11 @@ pub struct InboxRow {
 /// A flow's projection (`new`: last_seq 0).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Projection {
+    /// The last applied seq.
     pub last_seq: u64,
+    /// Units held.
     pub held: i64,
+    /// The amount fixed by the first step.
     pub amount: i64,
 }
 
@@ -127,36 +149,60 @@ impl Projection {
 /// One effect record.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Effect {
+    /// The event applied.
     pub event_id: String,
+    /// The seq reached.
     pub seq: u64,
+    /// The step kind.
     pub kind: String,
+    /// Units held after it.
     pub held: i64,
 }
 
 /// Why an Apply stopped.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Stop {
+    /// Nothing left to apply.
     Idle,
-    Gap { waiting_for_seq: u64 },
-    Blocked { event_id: String, reason: &'static str },
+    /// The next seq has not arrived, but a later one has.
+    Gap {
+        /// The seq the flow waits for.
+        waiting_for_seq: u64,
+    },
+    /// The next row cannot be applied.
+    Blocked {
+        /// The blocked row.
+        event_id: String,
+        /// Why (`unsupported_schema`, `invalid_payload`, `invalid_transition`).
+        reason: &'static str,
+    },
+    /// The step limit was reached.
     Limit,
 }
 
 /// What one Apply did.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Applied {
+    /// The flow.
     pub flow_id: String,
+    /// The event ids applied, in order.
     pub applied: Vec<String>,
+    /// Why it stopped.
     pub stop: Stop,
+    /// The projection after it.
     pub projection: Projection,
 }
 
 /// The consumer's records.
 #[derive(Clone, Debug, Default)]
 pub struct Consumer {
+    /// Inbox rows by event id.
     pub inbox: BTreeMap<String, InboxRow>,
+    /// Event id by (flow, seq): the uniqueness Receive keeps.
     pub by_seq: BTreeMap<(String, u64), String>,
+    /// Projections by flow.
     pub projections: BTreeMap<String, Projection>,
+    /// Effects by flow, in apply order.
     pub effects: BTreeMap<String, Vec<Effect>>,
 }
 
@@ -175,7 +221,10 @@ pub enum Crashed<T> {
     /// The crash point was not reached; the call answered normally.
     No(T),
     /// It fired after these answers / steps.
-    Yes { before: T },
+    Yes {
+        /// What was answered or applied before it fired.
+        before: T,
+    },
 }
 
 impl Consumer {
@@ -325,11 +374,17 @@ impl Consumer {
 /// An Advance request.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AdvanceRequest {
+    /// The flow.
     pub flow_id: String,
+    /// The event id.
     pub event_id: String,
+    /// The seq the client believes the flow is at.
     pub expected_seq: u64,
+    /// The step kind.
     pub kind: String,
+    /// The payload schema.
     pub schema: u32,
+    /// The amount.
     pub amount: i64,
 }
 
@@ -359,11 +414,17 @@ impl AdvanceRequest {
 /// A committed outbox row in the model.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OutboxRow {
+    /// The event id.
     pub event_id: String,
+    /// The flow.
     pub flow_id: String,
+    /// The step's seq in its flow.
     pub seq: u64,
+    /// The step kind.
     pub kind: String,
+    /// The payload schema.
     pub schema: u32,
+    /// The canonical body.
     pub body: String,
 }
 
@@ -374,7 +435,16 @@ pub enum Advance {
     InvalidArgument,
     /// An outcome word (`COMMITTED`, …), the flow's seq and state after the call, and the
     /// stored event for COMMITTED / EXISTING / CONFLICT.
-    Answer { outcome: &'static str, seq: u64, state: &'static str, event: Option<OutboxRow> },
+    Answer {
+        /// The outcome word.
+        outcome: &'static str,
+        /// The flow's seq after the call.
+        seq: u64,
+        /// The flow's state after the call.
+        state: &'static str,
+        /// The stored event, for COMMITTED / EXISTING / CONFLICT.
+        event: Option<OutboxRow>,
+    },
 }
 
 /// The producer's records.
@@ -382,6 +452,7 @@ pub enum Advance {
 pub struct Producer {
     /// flow → (seq, amount).
     pub flows: BTreeMap<String, (u64, i64)>,
+    /// Outbox rows by event id.
     pub outbox: BTreeMap<String, OutboxRow>,
 }
 

@@ -8,6 +8,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use proto::crash::{self, CrashPoint};
 use proto::pb;
 use proto::pb::consumer_client::ConsumerClient;
 use proto::pb::producer_client::ProducerClient;
@@ -36,19 +37,24 @@ pub fn bin_path(name: &str) -> PathBuf {
 
 /// A temp directory for one test or scenario, with the conventional file names.
 pub struct Workdir {
+    /// The directory, removed on drop.
     pub dir: tempfile::TempDir,
 }
 
 impl Workdir {
+    /// A fresh temp directory.
     pub fn new() -> Workdir {
         Workdir { dir: tempfile::Builder::new().prefix("oe-test-").tempdir().expect("temp dir") }
     }
+    /// A file name inside the directory.
     pub fn path(&self, name: &str) -> PathBuf {
         self.dir.path().join(name)
     }
+    /// The producer's database file.
     pub fn producer_db(&self) -> PathBuf {
         self.path("producer.db")
     }
+    /// The consumer's database file.
     pub fn consumer_db(&self) -> PathBuf {
         self.path("consumer.db")
     }
@@ -63,7 +69,9 @@ impl Default for Workdir {
 /// A running server process. Killed (SIGKILL) and reaped on drop.
 pub struct ServerProcess {
     child: Option<Child>,
+    /// The address the server printed (`HOST:PORT`).
     pub addr: String,
+    /// Its stderr log file.
     pub log: PathBuf,
 }
 
@@ -145,6 +153,18 @@ impl ServerProcess {
         status
     }
 
+    /// Waits for a process armed at `point` to die there: exit code 73 and the
+    /// `crash_point=<name>` marker in its log. An error names what happened instead.
+    pub fn wait_crash(&mut self, point: CrashPoint) -> Result<(), String> {
+        let status = self.wait_exit(START_DEADLINE);
+        let log = self.log_text();
+        if status.code() == Some(crash::EXIT_CODE) && log.contains(&point.marker()) {
+            Ok(())
+        } else {
+            Err(format!("expected a crash at {point}, got exit {status:?}; log:\n{log}"))
+        }
+    }
+
     /// Sends SIGTERM and waits for a clean exit.
     pub fn terminate(&mut self, deadline: Duration) -> ExitStatus {
         let child = self.child.as_mut().expect("process still owned");
@@ -198,6 +218,12 @@ impl Drop for ServerProcess {
     }
 }
 
+/// The environment entry that arms `point` in a child: crash points are armed only through
+/// the child's environment, and only by their enum (a misspelt name cannot compile).
+pub fn arming(point: CrashPoint) -> (&'static str, &'static str) {
+    (crash::ENV, point.name())
+}
+
 /// Polls `child` until it exits or `deadline` passes.
 pub fn wait_with_deadline(child: &mut Child, deadline: Duration) -> Option<ExitStatus> {
     let until = Instant::now() + deadline;
@@ -227,18 +253,27 @@ pub fn strip_ours(cmd: &mut Command) {
 
 /// A running producer and a way to call it.
 pub struct Producer {
+    /// The server process.
     pub process: ServerProcess,
+    /// Its database file.
     pub db: PathBuf,
 }
 
 impl Producer {
+    /// Starts a producer on the workdir's file, with `env` added to its environment.
     pub fn start(work: &Workdir, env: &[(&str, &str)]) -> Producer {
         Self::start_on(work.producer_db(), work.path("producer.log"), env)
     }
 
+    /// Starts a producer on `db`, logging to `log`, with `env` added to its environment.
     pub fn start_on(db: PathBuf, log: PathBuf, env: &[(&str, &str)]) -> Producer {
         let args = vec!["--db".into(), db.display().to_string(), "--listen".into(), "127.0.0.1:0".into()];
         Producer { process: ServerProcess::start("producer", &args, env, log), db }
+    }
+
+    /// Starts a producer on `db` armed at `point` (it dies when a write reaches it).
+    pub fn start_armed(db: PathBuf, log: PathBuf, point: CrashPoint) -> Producer {
+        Self::start_on(db, log, &[arming(point)])
     }
 
     /// Starts a producer on the workdir's file with extra flags (limits, token, TLS).
@@ -249,6 +284,7 @@ impl Producer {
         Producer { process, db }
     }
 
+    /// A new client connected to it.
     pub async fn client(&self) -> ProducerClient<Channel> {
         ProducerClient::new(connect(&self.process.url()).await)
     }
@@ -277,21 +313,30 @@ impl Producer {
 
 /// A running consumer and a way to call it.
 pub struct Consumer {
+    /// The server process.
     pub process: ServerProcess,
+    /// Its database file.
     pub db: PathBuf,
 }
 
 impl Consumer {
+    /// Starts a consumer on the workdir's file, with `env` added to its environment.
     pub fn start(work: &Workdir, support_v2: bool, env: &[(&str, &str)]) -> Consumer {
         Self::start_on(work.consumer_db(), work.path("consumer.log"), support_v2, env)
     }
 
+    /// Starts a consumer on `db`, logging to `log`, with `env` added to its environment.
     pub fn start_on(db: PathBuf, log: PathBuf, support_v2: bool, env: &[(&str, &str)]) -> Consumer {
         let mut args = vec!["--db".into(), db.display().to_string(), "--listen".into(), "127.0.0.1:0".into()];
         if support_v2 {
             args.push("--support-v2".into());
         }
         Consumer { process: ServerProcess::start("consumer", &args, env, log), db }
+    }
+
+    /// Starts a consumer on `db` armed at `point` (it dies when a write reaches it).
+    pub fn start_armed(db: PathBuf, log: PathBuf, support_v2: bool, point: CrashPoint) -> Consumer {
+        Self::start_on(db, log, support_v2, &[arming(point)])
     }
 
     /// Starts a consumer on the workdir's file with extra flags (limits, token, TLS, v2).
@@ -302,6 +347,7 @@ impl Consumer {
         Consumer { process, db }
     }
 
+    /// A new client connected to it.
     pub async fn client(&self) -> ConsumerClient<Channel> {
         ConsumerClient::new(connect(&self.process.url()).await)
     }
@@ -328,6 +374,7 @@ impl Consumer {
             .into_inner()
     }
 
+    /// One `GetFlow`.
     pub async fn get_flow(&self, flow: &str) -> pb::ConsumerFlow {
         self.client()
             .await
@@ -361,8 +408,11 @@ impl Consumer {
 /// A process run to completion.
 #[derive(Debug)]
 pub struct Finished {
+    /// The exit code (None when killed by a signal).
     pub code: Option<i32>,
+    /// Everything it wrote to stdout.
     pub stdout: String,
+    /// Everything it wrote to stderr.
     pub stderr: String,
 }
 
@@ -420,9 +470,11 @@ pub async fn connect(url: &str) -> Channel {
 /// The outcome of one relay run.
 #[derive(Debug)]
 pub struct RelayRun {
+    /// The exit code (None when killed by a signal).
     pub code: Option<i32>,
     /// Parsed stdout JSON lines.
     pub lines: Vec<serde_json::Value>,
+    /// Everything it wrote to stderr.
     pub stderr: String,
 }
 
@@ -435,6 +487,11 @@ impl RelayRun {
     /// The `delivery` lines.
     pub fn deliveries(&self) -> impl Iterator<Item = &serde_json::Value> {
         self.lines.iter().filter(|l| l["type"] == "delivery")
+    }
+
+    /// True when the run died at `point`: exit code 73 and the marker on stderr.
+    pub fn crashed_at(&self, point: CrashPoint) -> bool {
+        self.code == Some(crash::EXIT_CODE) && self.stderr.contains(&point.marker())
     }
 
     /// The final `summary` line.
@@ -461,4 +518,9 @@ pub fn relay(producer_db: &Path, consumer_url: &str, args: &[&str], env: &[(&str
         })
         .collect();
     RelayRun { code, lines, stderr }
+}
+
+/// [`relay`] armed at `point` (it dies when its write path reaches it).
+pub fn relay_armed(producer_db: &Path, consumer_url: &str, args: &[&str], point: CrashPoint) -> RelayRun {
+    relay(producer_db, consumer_url, args, &[arming(point)])
 }

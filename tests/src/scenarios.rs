@@ -7,10 +7,11 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 
+use proto::crash::CrashPoint;
 use proto::pb;
 use serde_json::{Value, json};
 
-use crate::proc::{START_DEADLINE, bin_path};
+use crate::proc::{START_DEADLINE, bin_path, relay_armed};
 use crate::race::race;
 use crate::{Consumer, Producer, Workdir, advance, db, envelope, reference_envelopes, relay};
 
@@ -170,17 +171,21 @@ async fn unsafe_dual_write() -> Value {
 
 async fn advance_crash_points() -> Value {
     let mut points = Vec::new();
-    for point in ["producer.after_flow_update", "producer.after_outbox_insert", "producer.after_commit"] {
+    for point in [
+        CrashPoint::ProducerAfterFlowUpdate,
+        CrashPoint::ProducerAfterOutboxInsert,
+        CrashPoint::ProducerAfterCommit,
+    ] {
         let work = Workdir::new();
-        let mut crashing = Producer::start(&work, &[("ORDERED_EVENTS_CRASH_AT", point)]);
+        let mut crashing = Producer::start_armed(work.producer_db(), work.path("producer.log"), point);
         let call = crashing.client().await.advance(advance("A", "A1", 0, "reserved", 1)).await;
         let code = crashing.process.wait_exit(START_DEADLINE).code();
-        let marker = crashing.process.log_text().contains(&format!("crash_point={point}"));
+        let marker = crashing.process.log_text().contains(&point.marker());
         let before = producer_view(&work.producer_db());
         let producer = Producer::start_on(work.producer_db(), work.path("producer2.log"), &[]);
         let retry = producer.advance(advance("A", "A1", 0, "reserved", 1)).await;
         points.push(json!({
-            "point": point,
+            "point": point.name(),
             "call_failed": call.is_err(),
             "exit_code": code,
             "marker": marker,
@@ -401,21 +406,21 @@ async fn permutations_converge() -> Value {
 
 async fn receive_crash_points() -> Value {
     let mut points = Vec::new();
-    for point in ["consumer.receive.after_insert", "consumer.receive.after_commit"] {
+    for point in [CrashPoint::ConsumerReceiveAfterInsert, CrashPoint::ConsumerReceiveAfterCommit] {
         let work = Workdir::new();
         let producer = Producer::start(&work, &[]);
         commit_steps(&producer, "A", &[1]).await;
-        let mut crashing = Consumer::start(&work, false, &[("ORDERED_EVENTS_CRASH_AT", point)]);
+        let mut crashing = Consumer::start_armed(work.consumer_db(), work.path("consumer.log"), false, point);
         let run = relay(&producer.db, &crashing.process.url(), &["once"], &[]);
         let code = crashing.process.wait_exit(START_DEADLINE).code();
-        let marker = crashing.process.log_text().contains(&format!("crash_point={point}"));
+        let marker = crashing.process.log_text().contains(&point.marker());
         let before =
             json!({"producer": producer_view(&producer.db), "consumer": consumer_view(&work.consumer_db())});
         let consumer = Consumer::start_on(work.consumer_db(), work.path("consumer2.log"), false, &[]);
         let again = relay(&producer.db, &consumer.process.url(), &["once"], &[]);
         let applied = consumer.apply("A").await;
         points.push(json!({
-            "point": point,
+            "point": point.name(),
             "exit_code": code,
             "marker": marker,
             "relay_exit_code": run.code,
@@ -430,20 +435,20 @@ async fn receive_crash_points() -> Value {
 
 async fn relay_crash_points() -> Value {
     let mut points = Vec::new();
-    for point in ["relay.after_mark", "relay.after_mark_commit"] {
+    for point in [CrashPoint::RelayAfterMark, CrashPoint::RelayAfterMarkCommit] {
         let work = Workdir::new();
         let producer = Producer::start(&work, &[]);
         let consumer = Consumer::start(&work, false, &[]);
         commit_steps(&producer, "A", &[1]).await;
         let url = consumer.process.url();
-        let crashed = relay(&producer.db, &url, &["once"], &[("ORDERED_EVENTS_CRASH_AT", point)]);
-        let marker = crashed.stderr.contains(&format!("crash_point={point}"));
+        let crashed = relay_armed(&producer.db, &url, &["once"], point);
+        let marker = crashed.stderr.contains(&point.marker());
         let before =
             json!({"producer": producer_view(&producer.db), "consumer": consumer_view(&consumer.db)});
         let again = relay(&producer.db, &url, &["once"], &[]);
         let applied = consumer.apply("A").await;
         points.push(json!({
-            "point": point,
+            "point": point.name(),
             "exit_code": crashed.code,
             "marker": marker,
             "before_recovery": before,
@@ -457,23 +462,25 @@ async fn relay_crash_points() -> Value {
 
 async fn apply_crash_points() -> Value {
     let mut points = Vec::new();
-    for point in
-        ["consumer.apply.after_projection", "consumer.apply.after_effect", "consumer.apply.after_commit"]
-    {
+    for point in [
+        CrashPoint::ConsumerApplyAfterProjection,
+        CrashPoint::ConsumerApplyAfterEffect,
+        CrashPoint::ConsumerApplyAfterCommit,
+    ] {
         let work = Workdir::new();
         let producer = Producer::start(&work, &[]);
         commit_steps(&producer, "A", &[1]).await;
-        let mut crashing = Consumer::start(&work, false, &[("ORDERED_EVENTS_CRASH_AT", point)]);
+        let mut crashing = Consumer::start_armed(work.consumer_db(), work.path("consumer.log"), false, point);
         let delivered = relay(&producer.db, &crashing.process.url(), &["once"], &[]);
         let call =
             crashing.client().await.apply(pb::ApplyRequest { flow_id: "A".into(), max_steps: 0 }).await;
         let code = crashing.process.wait_exit(START_DEADLINE).code();
-        let marker = crashing.process.log_text().contains(&format!("crash_point={point}"));
+        let marker = crashing.process.log_text().contains(&point.marker());
         let before = consumer_view(&work.consumer_db());
         let consumer = Consumer::start_on(work.consumer_db(), work.path("consumer2.log"), false, &[]);
         let applied = consumer.apply("A").await;
         points.push(json!({
-            "point": point,
+            "point": point.name(),
             "delivery": relay_view(&delivered),
             "call_failed": call.is_err(),
             "exit_code": code,

@@ -1,4 +1,4 @@
-//! `chaos`: the chaos run of issue 9 over the real binaries. Starts producer, consumer and
+//! `chaos`: the chaos run over the real binaries. Starts producer, consumer and
 //! two `relay run`s on fresh files, loads them with concurrent Advance clients, SIGKILLs and
 //! restarts them on a seeded schedule, then checks invariants I1–I7 and the coverage floors.
 //! Exits 0 only when every invariant held and every floor was reached. Build the binaries

@@ -18,7 +18,9 @@ use super::schedule::Victim;
 /// clients so they reconnect after a restart.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Endpoint {
+    /// Bumped at every restart, so a client sees a new server.
     pub generation: u64,
+    /// The server's URL.
     pub url: String,
 }
 
@@ -37,6 +39,7 @@ pub struct ProcessOptions {
 /// The running processes and where their logs go.
 pub struct Cluster {
     dir: PathBuf,
+    /// The two database files.
     pub files: Files,
     opts: ProcessOptions,
     producer: Option<ServerProcess>,
@@ -49,7 +52,9 @@ pub struct Cluster {
     pub relay_outputs: Vec<PathBuf>,
     /// Consumer restarts that could not take the old address back (relays were restarted).
     pub consumer_moves: u64,
+    /// Where producer clients find the current producer.
     pub producer_ep: watch::Sender<Endpoint>,
+    /// Where consumer clients find the current consumer.
     pub consumer_ep: watch::Sender<Endpoint>,
 }
 

@@ -12,13 +12,13 @@ use std::time::{Duration, Instant};
 use proto::pb;
 use proto::pb::consumer_client::ConsumerClient;
 use proto::pb::producer_client::ProducerClient;
-use rusqlite::{Connection, OpenFlags};
+use rusqlite::Connection;
 use tokio::sync::{Notify, watch};
 use tonic::transport::Channel;
 
-use crate::canon;
 use crate::checker::{AdvanceRecord, Answer, ForgedRecord, History, Intent};
 use crate::rng::Rng;
+use crate::{canon, db};
 
 use super::cluster::Endpoint;
 
@@ -27,21 +27,29 @@ use super::cluster::Endpoint;
 pub struct Progress {
     /// Steps acknowledged committed (COMMITTED, or EXISTING after an ambiguous failure).
     pub committed: AtomicU64,
+    /// Flows a client started.
     pub flows_started: AtomicU64,
+    /// Flows that reached `released`.
     pub flows_done: AtomicU64,
+    /// Flows started and not yet done.
     pub in_progress: AtomicU64,
+    /// The most flows in progress at once.
     pub max_in_progress: AtomicU64,
     /// Advance calls that failed ambiguously.
     pub unknown: AtomicU64,
     /// Effect rows and the highest inbox rowid, as the monitor last read them.
     pub applied: AtomicU64,
+    /// The highest inbox rowid seen.
     pub inbox_rows: AtomicU64,
     /// Injected real envelopes, and how the consumer answered them.
     pub injected: AtomicU64,
+    /// Deliveries the injector sent twice.
     pub injected_duplicates: AtomicU64,
+    /// Forged deliveries sent.
     pub forged: AtomicU64,
     /// `ApplyAll` calls and the steps they applied.
     pub apply_calls: AtomicU64,
+    /// Steps the driver's applier applied.
     pub applied_by_applier: AtomicU64,
     /// Set when the fault schedule has run out (the load may then end).
     pub faults_done: AtomicBool,
@@ -99,13 +107,15 @@ impl Progress {
 /// What the load does, from the run's configuration.
 #[derive(Clone, Debug)]
 pub struct LoadOptions {
+    /// The seed of every client's choices.
     pub seed: u64,
     /// Flows to run (`None`: until the load is stopped).
     pub flows: Option<u64>,
     /// Committed-but-unapplied events beyond which no new flow starts.
     pub max_backlog: u64,
-    /// Percent of steps preceded by a decoy request, and of steps sent with schema 2.
+    /// Percent of steps preceded by a decoy request.
     pub decoy_percent: u64,
+    /// Percent of steps sent with schema 2.
     pub schema2_percent: u64,
     /// The injector sends one batch per this many newly committed events.
     pub inject_every: u64,
@@ -369,16 +379,14 @@ pub async fn applier(ep: watch::Receiver<Endpoint>, progress: &Progress) {
 /// One row read back for injection: (event_id, flow_id, seq, kind, schema, payload JSON).
 type Row = (String, String, u64, String, u32, serde_json::Value);
 
-fn read_rows(path: &std::path::Path, sql: &str) -> Vec<Row> {
-    let read = || -> rusqlite::Result<Vec<Row>> {
-        let conn = Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_ONLY)?;
-        conn.busy_timeout(Duration::from_secs(5))?;
-        let mut stmt = conn.prepare(sql)?;
-        let bodies =
-            stmt.query_map([], |r| r.get::<_, String>(0))?.collect::<rusqlite::Result<Vec<String>>>()?;
-        Ok(bodies.iter().filter_map(|b| canon::parse_body(b)).collect())
-    };
-    read().unwrap_or_default()
+/// Reads bodies from the file at `path` with `read` and parses them (none when the file is
+/// busy or unreadable: injection is best effort).
+fn read_rows(
+    path: &std::path::Path,
+    read: impl FnOnce(&rusqlite::Connection) -> Result<Vec<String>, String>,
+) -> Vec<Row> {
+    let bodies = db::try_open_ro(path).and_then(|conn| read(&conn)).unwrap_or_default();
+    bodies.iter().filter_map(|b| canon::parse_body(b)).collect()
 }
 
 fn envelope(row: &Row, payload: &serde_json::Value) -> pb::EventEnvelope {
@@ -440,12 +448,7 @@ pub async fn injector(
         }
         // Newest unaccepted later steps whose predecessor is unaccepted too: sent now, they
         // are likely to overtake it.
-        let mut rows = read_rows(
-            &files.producer_db,
-            "SELECT o.body FROM outbox o WHERE o.accepted = 0 AND o.seq > 1 AND EXISTS(
-                 SELECT 1 FROM outbox p WHERE p.flow_id = o.flow_id AND p.seq = o.seq - 1 AND p.accepted = 0)
-             ORDER BY o.rowid DESC LIMIT 6",
-        );
+        let mut rows = read_rows(&files.producer_db, |c| db::unaccepted_successor_bodies(c, 6));
         // Highest seq first within each flow: a later step overtakes the earlier ones.
         rows.sort_by(|a, b| a.1.cmp(&b.1).then(b.2.cmp(&a.2)));
         let mut batch: Vec<pb::EventEnvelope> = Vec::new();
@@ -456,7 +459,7 @@ pub async fn injector(
             }
         }
         let real = batch.len();
-        let stored = read_rows(&files.consumer_db, "SELECT body FROM inbox ORDER BY rowid DESC LIMIT 4");
+        let stored = read_rows(&files.consumer_db, |c| db::newest_inbox_bodies(c, 4));
         let mut forged: Vec<ForgedRecord> = Vec::new();
         if let Some(row) = stored.first() {
             // Same event id, another body.
@@ -533,15 +536,9 @@ fn forged_record(row: &Row, event_id: &str, payload: &serde_json::Value) -> Forg
 /// few milliseconds and wakes whoever waits on it, until `stop_all`. Blocking: run it on
 /// its own thread.
 pub fn monitor(consumer_db: &std::path::Path, progress: &Progress) {
-    let open = || -> rusqlite::Result<Connection> {
-        let conn = Connection::open_with_flags(consumer_db, OpenFlags::SQLITE_OPEN_READ_ONLY)?;
-        conn.busy_timeout(Duration::from_secs(5))?;
-        Ok(conn)
-    };
-    let read = |conn: &Connection| -> rusqlite::Result<(u64, u64)> {
-        let applied: i64 = conn.query_row("SELECT count(*) FROM effect", [], |r| r.get(0))?;
-        let rows: i64 = conn.query_row("SELECT coalesce(max(rowid), 0) FROM inbox", [], |r| r.get(0))?;
-        Ok((applied as u64, rows as u64))
+    let open = || db::try_open_ro(consumer_db);
+    let read = |conn: &Connection| -> Result<(u64, u64), String> {
+        Ok((db::count_effects(conn)?, db::inbox_high_water(conn)?))
     };
     let mut conn: Option<Connection> = None;
     while !progress.stop_all.load(Ordering::SeqCst) {

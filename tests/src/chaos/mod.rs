@@ -1,4 +1,4 @@
-//! The chaos run of issue 9: producer, consumer and two `relay run`s as real processes under
+//! The chaos run: producer, consumer and two `relay run`s as real processes under
 //! load from concurrent Advance clients, SIGKILLed on a seeded schedule paced by the
 //! committed count and restarted; then, once the faults stop and everything drains, the
 //! independent [`checker`](crate::checker) judges the files and the recorded answers, and
@@ -18,6 +18,7 @@ use serde::Serialize;
 
 use crate::background::poll;
 use crate::checker::{self, Drain, Observed, Verdict};
+use crate::db;
 use cluster::{Cluster, ProcessOptions};
 use load::{LoadOptions, Progress};
 use schedule::{KillStep, Quota, Victim};
@@ -25,11 +26,15 @@ use schedule::{KillStep, Quota, Victim};
 /// Minimums a run must reach, or it fails as under-exercised.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct Floors {
+    /// SIGKILLs over all processes.
     pub kills_total: u64,
     /// Per kind of process: producer, consumer, relay.
     pub kills_per_kind: u64,
+    /// Events committed.
     pub committed_events: u64,
+    /// Flows started.
     pub flows: u64,
+    /// The most flows in progress at once.
     pub in_progress: u64,
     /// Duplicate deliveries (DUPLICATE answers to relays or to the injector).
     pub duplicates: u64,
@@ -40,7 +45,9 @@ pub struct Floors {
 /// Everything a chaos run does.
 #[derive(Clone, Debug)]
 pub struct ChaosConfig {
+    /// The profile's name.
     pub profile: &'static str,
+    /// The seed of the schedule and the load.
     pub seed: u64,
     /// Concurrent Advance clients (each has one flow in progress at a time).
     pub clients: usize,
@@ -52,29 +59,36 @@ pub struct ChaosConfig {
     /// One block of the kill schedule, and how many blocks (`None`: as many as `duration`
     /// allows).
     pub quota: Quota,
+    /// Blocks of the schedule (`None`: as many as `duration` allows).
     pub blocks: Option<u64>,
+    /// The coverage floors.
     pub floors: Floors,
     /// Let the consumer apply by itself (`consumer --auto-apply`) instead of the driver's
     /// applier task (an `ApplyAll` loop).
     pub auto_apply: bool,
     /// `relay run` flags.
     pub relay_args: Vec<String>,
+    /// Committed-but-unapplied events beyond which no new flow starts.
     pub max_backlog: u64,
+    /// Percent of steps preceded by a decoy request.
     pub decoy_percent: u64,
+    /// Percent of steps sent with schema 2.
     pub schema2_percent: u64,
     /// Whether the injector runs (early, reordered, duplicate and forged deliveries), and
     /// how often (one batch per this many committed events).
     pub inject: bool,
+    /// One injected batch per this many committed events.
     pub inject_every: u64,
     /// The load and the faults must be done within this; the drain within `drain`.
     pub budget: Duration,
+    /// How long the drain may take.
     pub drain: Duration,
     /// How long any single wait for progress may take before it is reported as a hang.
     pub hang: Duration,
 }
 
 impl ChaosConfig {
-    /// A named profile: `ci` (the floors of issue 9 in about 5 minutes on 2 cores), `soak`
+    /// A named profile: `ci` (the CI floors in about 5 minutes on 2 cores), `soak`
     /// (10 minutes of faults per seed, for running outside CI) or `smoke` (a few seconds, for
     /// the test suite).
     pub fn profile(name: &str, seed: u64) -> Option<ChaosConfig> {
@@ -159,45 +173,75 @@ impl ChaosConfig {
 /// One SIGKILL.
 #[derive(Clone, Debug, Serialize)]
 pub struct KillRecord {
+    /// The schedule step.
     pub step: usize,
+    /// The process killed.
     pub victim: Victim,
+    /// Its pid.
     pub pid: u32,
-    /// The schedule's threshold, and the committed count when the kill happened.
+    /// The schedule's threshold for the step.
     pub threshold: u64,
+    /// The committed count when the kill happened.
     pub at_committed: u64,
+    /// Milliseconds since the run started.
     pub at_ms: u64,
 }
 
 /// What a run did and what the checker said.
 #[derive(Clone, Debug, Serialize)]
 pub struct ChaosReport {
+    /// The profile's name.
     pub profile: &'static str,
+    /// The run's seed.
     pub seed: u64,
+    /// Wall time of the whole run.
     pub seconds: f64,
+    /// Wall time of the load and faults.
     pub load_seconds: f64,
+    /// Wall time of the drain (None: it timed out).
     pub drain_seconds: Option<f64>,
+    /// SIGKILLs per kind of process.
     pub kills_per_kind: BTreeMap<&'static str, u64>,
+    /// SIGKILLs over all processes.
     pub kills_total: u64,
+    /// Schedule steps that killed two processes at once.
     pub double_kill_steps: u64,
+    /// Events committed.
     pub committed_events: u64,
+    /// Flows started.
     pub flows: u64,
+    /// The most flows in progress at once.
     pub max_in_progress: u64,
+    /// Advance calls with an ambiguous outcome (retried with the same event id).
     pub unknown_calls: u64,
+    /// Advance calls made.
     pub advance_calls: u64,
+    /// The relays' delivery outcomes, counted by word.
     pub relay_answers: BTreeMap<String, u64>,
+    /// Relay stdout lines cut off by a kill.
     pub relay_truncated_lines: u64,
+    /// Deliveries the injector sent.
     pub injected: u64,
+    /// Deliveries the injector sent twice.
     pub injected_duplicates: u64,
+    /// Forged deliveries sent.
     pub forged: u64,
+    /// DUPLICATE answers seen.
     pub duplicates: u64,
+    /// Redeliveries and late arrivals read from the files.
     pub observed: Observed,
+    /// Consumer restarts that could not take the old address back (relays were moved).
     pub consumer_moves: u64,
     /// A hash of the schedule steps that ran (thresholds and victims): the same seed and the
     /// same number of kills give the same fingerprint.
     pub schedule_fingerprint: String,
+    /// The checker's verdict.
     pub verdict: Verdict,
+    /// The floors not reached.
     pub unmet_floors: Vec<String>,
+    /// What stopped the run early (a hang, a failed start), if anything.
     pub fatal: Option<String>,
+    /// Every SIGKILL made.
     pub kills: Vec<KillRecord>,
 }
 
@@ -400,23 +444,14 @@ pub fn run(cfg: &ChaosConfig, dir: &Path) -> ChaosReport {
 /// the consumer's highest inbox rowid and its effect count. A server has worked since its
 /// start when its numbers grew.
 fn written(files: &checker::Files, v: Victim) -> Option<(u64, u64)> {
-    let open = |path: &Path| {
-        let conn =
-            rusqlite::Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).ok()?;
-        conn.busy_timeout(Duration::from_secs(5)).ok()?;
-        Some(conn)
-    };
-    let one = |conn: &rusqlite::Connection, sql: &str| conn.query_row(sql, [], |r| r.get::<_, i64>(0)).ok();
     match v {
         Victim::Producer => {
-            let p = open(&files.producer_db)?;
-            Some((one(&p, "SELECT coalesce(max(rowid), 0) FROM outbox")? as u64, 0))
+            let p = db::try_open_ro(&files.producer_db).ok()?;
+            Some((db::outbox_high_water(&p).ok()?, 0))
         }
         _ => {
-            let c = open(&files.consumer_db)?;
-            let rows = one(&c, "SELECT coalesce(max(rowid), 0) FROM inbox")?;
-            let effects = one(&c, "SELECT count(*) FROM effect")?;
-            Some((rows as u64, effects as u64))
+            let c = db::try_open_ro(&files.consumer_db).ok()?;
+            Some((db::inbox_high_water(&c).ok()?, db::count_effects(&c).ok()?))
         }
     }
 }

@@ -9,9 +9,13 @@ use crate::rng::Rng;
 /// A process the schedule can kill.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 pub enum Victim {
+    /// The producer server.
     Producer,
+    /// The consumer server.
     Consumer,
+    /// The first `relay run`.
     RelayA,
+    /// The second `relay run`.
     RelayB,
 }
 
@@ -39,7 +43,9 @@ impl Victim {
 /// Kill these victims (one, or two at once) when the committed count reaches `at_committed`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct KillStep {
+    /// The committed count that triggers the step.
     pub at_committed: u64,
+    /// The processes killed at once.
     pub victims: Vec<Victim>,
 }
 
@@ -47,14 +53,17 @@ pub struct KillStep {
 /// committed events it is spread.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct Quota {
+    /// Producer kills per block.
     pub producer: usize,
+    /// Consumer kills per block.
     pub consumer: usize,
     /// Per relay (there are two).
     pub relay_each: usize,
     /// Percent of steps that kill two different processes at once.
     pub double_percent: u64,
-    /// The first step's threshold and the span of committed events one block covers.
+    /// The first step's threshold.
     pub start: u64,
+    /// Committed events one block spans.
     pub span: u64,
 }
 

@@ -2,6 +2,7 @@
 
 use harness::db;
 use harness::{Producer, Workdir, advance};
+use proto::crash::CrashPoint;
 use proto::pb::AdvanceOutcome;
 
 fn outcome(r: &proto::pb::AdvanceResponse) -> AdvanceOutcome {
@@ -98,12 +99,12 @@ async fn malformed_requests_are_invalid_argument_and_write_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_points() {
     for (point, committed) in [
-        ("producer.after_flow_update", false),
-        ("producer.after_outbox_insert", false),
-        ("producer.after_commit", true),
+        (CrashPoint::ProducerAfterFlowUpdate, false),
+        (CrashPoint::ProducerAfterOutboxInsert, false),
+        (CrashPoint::ProducerAfterCommit, true),
     ] {
         let work = Workdir::new();
-        let mut crashing = Producer::start(&work, &[("ORDERED_EVENTS_CRASH_AT", point)]);
+        let mut crashing = Producer::start_armed(work.producer_db(), work.path("producer.log"), point);
         assert!(
             crashing.process.log_text().contains("CRASH POINT ARMED"),
             "{point}: armed point not announced"
@@ -111,12 +112,7 @@ async fn crash_points() {
         let mut client = crashing.client().await;
         let err = client.advance(advance("A", "A1", 0, "reserved", 1)).await.expect_err("the process dies");
         assert_ne!(err.code(), tonic::Code::Ok);
-        let status = crashing.process.wait_exit(harness::proc::START_DEADLINE);
-        assert_eq!(status.code(), Some(73), "{point}");
-        assert!(
-            crashing.process.log_text().contains(&format!("crash_point={point}")),
-            "{point}: marker missing"
-        );
+        crashing.process.wait_crash(point).unwrap_or_else(|e| panic!("{e}"));
         let flows = db::flows(&crashing.db);
         let rows = db::outbox(&crashing.db);
         assert_eq!(flows.len(), usize::from(committed), "{point}: flow rows {flows:?}");
@@ -137,11 +133,8 @@ async fn existing_does_not_fire_a_crash_point() {
     let producer = Producer::start(&work, &[]);
     producer.advance(advance("A", "A1", 0, "reserved", 1)).await;
     drop(producer);
-    let armed = Producer::start_on(
-        work.producer_db(),
-        work.path("p2.log"),
-        &[("ORDERED_EVENTS_CRASH_AT", "producer.after_commit")],
-    );
+    let armed =
+        Producer::start_armed(work.producer_db(), work.path("p2.log"), CrashPoint::ProducerAfterCommit);
     let retry = armed.advance(advance("A", "A1", 0, "reserved", 1)).await;
     assert_eq!(outcome(&retry), AdvanceOutcome::Existing);
     let stale = armed.advance(advance("A", "A9", 0, "reserved", 1)).await;

@@ -5,8 +5,9 @@ use std::time::Duration;
 
 use harness::background::{RelayDaemon, wait_for};
 use harness::db;
-use harness::proc::ServerProcess;
+use harness::proc::{ServerProcess, relay_armed};
 use harness::{Consumer, Producer, Workdir, advance, relay};
+use proto::crash::CrashPoint;
 use proto::pb::{self, AdvanceOutcome, ApplyStop, ReceiveOutcome};
 
 /// Commits steps `done+1 ..= done+steps` of `flow` and checks each was COMMITTED.
@@ -109,9 +110,8 @@ async fn crash_after_mark_redelivers_as_duplicate() {
     let consumer = Consumer::start(&work, false, &[]);
     commit_flow(&producer, "A", 1).await;
     let url = consumer.process.url();
-    let crashed = relay(&producer.db, &url, &["once"], &[("ORDERED_EVENTS_CRASH_AT", "relay.after_mark")]);
-    assert_eq!(crashed.code, Some(73), "{crashed:?}");
-    assert!(crashed.stderr.contains("crash_point=relay.after_mark"), "{}", crashed.stderr);
+    let crashed = relay_armed(&producer.db, &url, &["once"], CrashPoint::RelayAfterMark);
+    assert!(crashed.crashed_at(CrashPoint::RelayAfterMark), "{crashed:?}");
     // Visible before recovery: the inbox holds A1, the outbox still says unaccepted.
     assert!(!db::outbox(&producer.db)[0].accepted);
     assert_eq!(db::inbox(&consumer.db).len(), 1);
@@ -129,10 +129,8 @@ async fn crash_after_mark_commit_leaves_nothing_to_do() {
     let consumer = Consumer::start(&work, false, &[]);
     commit_flow(&producer, "A", 1).await;
     let url = consumer.process.url();
-    let crashed =
-        relay(&producer.db, &url, &["once"], &[("ORDERED_EVENTS_CRASH_AT", "relay.after_mark_commit")]);
-    assert_eq!(crashed.code, Some(73), "{crashed:?}");
-    assert!(crashed.stderr.contains("crash_point=relay.after_mark_commit"), "{}", crashed.stderr);
+    let crashed = relay_armed(&producer.db, &url, &["once"], CrashPoint::RelayAfterMarkCommit);
+    assert!(crashed.crashed_at(CrashPoint::RelayAfterMarkCommit), "{crashed:?}");
     assert!(db::outbox(&producer.db)[0].accepted);
     assert_eq!(db::inbox(&consumer.db)[0].state, "pending");
     let again = relay(&producer.db, &url, &["once"], &[]);
