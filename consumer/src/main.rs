@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{ArgAction, Parser};
-use proto::serve::LogFormat;
+use runtime::serve::LogFormat;
 
 /// Stores every well-formed event durably in its inbox (accepted) and applies each flow's
 /// events strictly in seq order (applied), serving `ordered_events.v1.Consumer` (Receive,
@@ -43,7 +43,7 @@ struct Args {
         env = "ORDERED_EVENTS_CONSUMER_MAX_BATCH",
         value_name = "N",
         default_value_t = consumer::receive::DEFAULT_MAX_BATCH,
-        value_parser = proto::group::parse_cap
+        value_parser = runtime::group::parse_cap
     )]
     max_batch: usize,
     /// Backlog cap: while the inbox holds this many unapplied (pending + blocked) rows, a new
@@ -58,7 +58,7 @@ struct Args {
         env = "ORDERED_EVENTS_APPLY_MAX_BATCH",
         value_name = "N",
         default_value_t = consumer::apply::DEFAULT_APPLY_BATCH,
-        value_parser = proto::group::parse_cap
+        value_parser = runtime::group::parse_cap
     )]
     apply_batch: usize,
     /// Apply automatically: after each committed Receive batch, apply the flows it touched
@@ -76,14 +76,14 @@ struct Args {
     #[arg(long, env = "ORDERED_EVENTS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
     #[command(flatten)]
-    serve: proto::serve::ServeOptions,
+    serve: runtime::serve::ServeOptions,
 }
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let args = Args::parse();
-    proto::serve::init_tracing(args.log_format);
-    proto::serve::exit_code("consumer", run(args).await)
+    runtime::serve::init_tracing(args.log_format);
+    runtime::serve::exit_code("consumer", run(args).await)
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
@@ -106,8 +106,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", args.listen))?;
     let addr = listener.local_addr()?;
-    let shutdown = proto::serve::shutdown_signal();
-    proto::serve::announce(addr);
+    let shutdown = runtime::serve::shutdown_signal();
+    runtime::serve::announce(addr);
     tracing::info!(%addr, "consumer serving");
     consumer::run(service, listener, shutdown, &settings).await?;
     tracing::info!("consumer stopped");

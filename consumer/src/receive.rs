@@ -70,7 +70,7 @@ pub fn spawn(conn: Arc<Mutex<Connection>>, opts: WriterOptions) -> std::io::Resu
             .name("auto-apply-sweep".into())
             .spawn(move || sweep(&conn, opts.apply))?;
     }
-    proto::group::spawn_writer("receive-writer", opts.max_batch, queue, move |jobs: Vec<ReceiveJob>| {
+    runtime::group::spawn_writer("receive-writer", opts.max_batch, queue, move |jobs: Vec<ReceiveJob>| {
         let started = std::time::Instant::now();
         let results = receive_batch(&mut apply::lock(&conn), &jobs, &opts.apply.crash, opts.admission);
         let committed = started.elapsed();

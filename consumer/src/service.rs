@@ -253,7 +253,7 @@ pub async fn run(
     service: ConsumerService,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
-    settings: &proto::serve::ServerSettings,
+    settings: &runtime::serve::ServerSettings,
 ) -> Result<(), tonic::transport::Error> {
     let stopping = Arc::clone(&service.stopping);
     let shutdown = async move {
@@ -263,7 +263,7 @@ pub async fn run(
     let svc = pb::consumer_server::ConsumerServer::new(service)
         .max_decoding_message_size(settings.max_message_bytes());
     let svc = tonic::service::interceptor::InterceptedService::new(svc, settings.require_token());
-    proto::serve::serve(listener, "ordered_events.v1.Consumer", |r| r.add_service(svc), shutdown, settings)
+    runtime::serve::serve(listener, "ordered_events.v1.Consumer", |r| r.add_service(svc), shutdown, settings)
         .await
 }
 

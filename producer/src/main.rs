@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use proto::serve::LogFormat;
+use runtime::serve::LogFormat;
 
 /// Commits each flow step and its outbox event in one SQLite transaction, and serves
 /// `ordered_events.v1.Producer` (Advance, GetFlow) with gRPC health and reflection.
@@ -32,7 +32,7 @@ struct Args {
         env = "ORDERED_EVENTS_PRODUCER_MAX_BATCH",
         value_name = "N",
         default_value_t = producer::DEFAULT_MAX_BATCH,
-        value_parser = proto::group::parse_cap
+        value_parser = runtime::group::parse_cap
     )]
     max_batch: usize,
     /// Refuse new Advance steps with RESOURCE_EXHAUSTED while this many committed events wait
@@ -43,14 +43,14 @@ struct Args {
     #[arg(long, env = "ORDERED_EVENTS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
     #[command(flatten)]
-    serve: proto::serve::ServeOptions,
+    serve: runtime::serve::ServeOptions,
 }
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let args = Args::parse();
-    proto::serve::init_tracing(args.log_format);
-    proto::serve::exit_code("producer", run(args).await)
+    runtime::serve::init_tracing(args.log_format);
+    runtime::serve::exit_code("producer", run(args).await)
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
@@ -66,8 +66,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", args.listen))?;
     let addr = listener.local_addr()?;
-    let shutdown = proto::serve::shutdown_signal();
-    proto::serve::announce(addr);
+    let shutdown = runtime::serve::shutdown_signal();
+    runtime::serve::announce(addr);
     tracing::info!(%addr, "producer serving");
     producer::run(service, listener, shutdown, &settings).await?;
     tracing::info!("producer stopped");

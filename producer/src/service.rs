@@ -89,12 +89,12 @@ pub async fn run(
     service: ProducerService,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
-    settings: &proto::serve::ServerSettings,
+    settings: &runtime::serve::ServerSettings,
 ) -> Result<(), tonic::transport::Error> {
     let svc = pb::producer_server::ProducerServer::new(service)
         .max_decoding_message_size(settings.max_message_bytes());
     let svc = tonic::service::interceptor::InterceptedService::new(svc, settings.require_token());
-    proto::serve::serve(listener, "ordered_events.v1.Producer", |r| r.add_service(svc), shutdown, settings)
+    runtime::serve::serve(listener, "ordered_events.v1.Producer", |r| r.add_service(svc), shutdown, settings)
         .await
 }
 

@@ -27,7 +27,7 @@ pub fn spawn(
     max_batch: usize,
     max_unaccepted: Option<u64>,
 ) -> std::io::Result<mpsc::Sender<AdvanceJob>> {
-    proto::group::spawn_writer(
+    runtime::group::spawn_writer(
         "advance-writer",
         max_batch,
         queue_len(max_batch),

@@ -2,14 +2,11 @@
 //! must agree on byte for byte: canonical body, transport limits, the flow state machine,
 //! payload decoders, crash-point names and SQLite connection settings.
 
-pub mod auth;
 pub mod body;
 pub mod crash;
 pub mod db;
 pub mod flow;
-pub mod group;
 pub mod limits;
-pub mod serve;
 
 /// Generated protobuf and gRPC code for `ordered_events.v1`.
 pub mod pb {

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use proto::serve::LogFormat;
+use runtime::serve::LogFormat;
 
 /// Streams unaccepted outbox rows from producer.db into the consumer's Receive RPC and marks
 /// a row accepted only after the consumer answered ACCEPTED or DUPLICATE (it durably holds
@@ -40,7 +40,7 @@ struct Args {
         env = "ORDERED_EVENTS_RELAY_MARK_BATCH",
         value_name = "N",
         default_value_t = relay::DEFAULT_MARK_BATCH,
-        value_parser = proto::group::parse_cap,
+        value_parser = runtime::group::parse_cap,
         global = true
     )]
     mark_batch: usize,
@@ -91,8 +91,8 @@ enum ModeArg {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let args = Args::parse();
-    proto::serve::init_tracing(args.log_format);
-    let shutdown = proto::serve::shutdown_signal();
+    runtime::serve::init_tracing(args.log_format);
+    let shutdown = runtime::serve::shutdown_signal();
     let (Some(producer_db), Some(consumer_url)) = (args.producer_db, args.consumer) else {
         eprintln!(
             "relay: error: --producer-db (ORDERED_EVENTS_PRODUCER_DB) and --consumer (ORDERED_EVENTS_CONSUMER_URL) are required"
@@ -114,7 +114,7 @@ async fn main() -> ExitCode {
             (relay::Mode::Run, Duration::from_millis(poll_ms), Duration::from_millis(max_backoff_ms.max(1)))
         }
     };
-    let token = match args.token_file.as_deref().map(proto::auth::read_token).transpose() {
+    let token = match args.token_file.as_deref().map(runtime::auth::read_token).transpose() {
         Ok(token) => token,
         Err(e) => {
             eprintln!("relay: error: {e}");

@@ -10,7 +10,7 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use producer::store::OutboxRecord;
-use proto::auth::SendToken;
+use runtime::auth::SendToken;
 use proto::body::Event;
 use proto::pb;
 use proto::pb::consumer_client::ConsumerClient;

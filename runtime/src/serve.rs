@@ -194,7 +194,7 @@ where
     // Advertise only what this server serves (the descriptor set holds both services).
     let reflection = || {
         tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(crate::pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(proto::pb::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
             .with_service_name(service_name)
             .with_service_name("grpc.health.v1.Health")
