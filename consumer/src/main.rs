@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{ArgAction, Parser};
-use runtime::serve::LogFormat;
+use runtime::LogFormat;
 
 /// Stores every well-formed event durably in its inbox (accepted) and applies each flow's
 /// events strictly in seq order (applied), serving `ordered_events.v1.Consumer` (Receive,
@@ -79,19 +79,16 @@ struct Args {
     serve: runtime::serve::ServeOptions,
 }
 
-#[tokio::main(flavor = "current_thread")]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
     let args = Args::parse();
-    runtime::serve::init_tracing(args.log_format);
-    runtime::serve::exit_code("consumer", run(args).await)
+    runtime::process_main("consumer", args.log_format, run(args))
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
-    let crash = proto::crash::CrashSwitch::from_env()?;
-    let config = consumer::Config {
+    let service = consumer::ConsumerService::open(&consumer::Config {
         db: args.db,
         support_v2: args.support_v2,
-        crash,
+        crash: proto::crash::CrashSwitch::from_env()?,
         max_batch: args.max_batch,
         admission: match args.max_pending {
             0 => consumer::store::Admission::Unlimited,
@@ -99,17 +96,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
         },
         apply_batch: args.apply_batch,
         auto_apply: args.auto_apply,
-    };
-    let service = consumer::ConsumerService::open(&config)?;
+    })?;
     let settings = args.serve.load()?;
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", args.listen))?;
-    let addr = listener.local_addr()?;
-    let shutdown = runtime::serve::shutdown_signal();
-    runtime::serve::announce(addr);
-    tracing::info!(%addr, "consumer serving");
-    consumer::run(service, listener, shutdown, &settings).await?;
-    tracing::info!("consumer stopped");
+    runtime::run_server("consumer", args.listen, |listener, shutdown| {
+        consumer::run(service, listener, shutdown, &settings)
+    })
+    .await?;
     Ok(())
 }

@@ -43,8 +43,11 @@ impl StreamState {
 
 /// One envelope that passed the transport limits, queued for the writer.
 pub struct ReceiveJob {
+    /// The envelope's event.
     pub event: Event,
+    /// The stream it came on (the writer skips envelopes of a failed stream).
     pub stream: Arc<StreamState>,
+    /// Gets the decision after the commit that holds it (or the failure).
     pub reply: oneshot::Sender<Result<ReceiveOutcome, Status>>,
 }
 
@@ -55,6 +58,7 @@ pub struct WriterOptions {
     pub max_batch: usize,
     /// Apply the flows each committed batch touched.
     pub auto_apply: bool,
+    /// How auto-apply applies.
     pub apply: ApplyOptions,
     /// The backlog cap (`--max-pending`).
     pub admission: store::Admission,
@@ -72,7 +76,8 @@ pub fn spawn(conn: Arc<Mutex<Connection>>, opts: WriterOptions) -> std::io::Resu
     }
     runtime::group::spawn_writer("receive-writer", opts.max_batch, queue, move |jobs: Vec<ReceiveJob>| {
         let started = std::time::Instant::now();
-        let results = receive_batch(&mut apply::lock(&conn), &jobs, &opts.apply.crash, opts.admission);
+        let results =
+            receive_batch(&mut runtime::blocking::lock(&conn), &jobs, &opts.apply.crash, opts.admission);
         let committed = started.elapsed();
         let batch_len = jobs.len();
         let mut touched = BTreeSet::new();
@@ -158,7 +163,7 @@ pub fn receive_batch(
             results.push(Err(Status::aborted("receive: an earlier envelope of this stream failed")));
             continue;
         }
-        let now = crate::now_us();
+        let now = runtime::now_us();
         match db::in_savepoint(&tx, |tx| store::insert_pending(tx, &job.event, now, admission)) {
             Ok(outcome) => {
                 if outcome == ReceiveOutcome::Accepted {

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use runtime::serve::LogFormat;
+use runtime::LogFormat;
 
 /// Commits each flow step and its outbox event in one SQLite transaction, and serves
 /// `ordered_events.v1.Producer` (Advance, GetFlow) with gRPC health and reflection.
@@ -46,30 +46,22 @@ struct Args {
     serve: runtime::serve::ServeOptions,
 }
 
-#[tokio::main(flavor = "current_thread")]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
     let args = Args::parse();
-    runtime::serve::init_tracing(args.log_format);
-    runtime::serve::exit_code("producer", run(args).await)
+    runtime::process_main("producer", args.log_format, run(args))
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
-    let crash = proto::crash::CrashSwitch::from_env()?;
     let service = producer::ProducerService::open(&producer::Config {
         db: args.db,
-        crash,
+        crash: proto::crash::CrashSwitch::from_env()?,
         max_batch: args.max_batch,
         max_unaccepted: (args.max_unaccepted > 0).then_some(args.max_unaccepted),
     })?;
     let settings = args.serve.load()?;
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", args.listen))?;
-    let addr = listener.local_addr()?;
-    let shutdown = runtime::serve::shutdown_signal();
-    runtime::serve::announce(addr);
-    tracing::info!(%addr, "producer serving");
-    producer::run(service, listener, shutdown, &settings).await?;
-    tracing::info!("producer stopped");
+    runtime::run_server("producer", args.listen, |listener, shutdown| {
+        producer::run(service, listener, shutdown, &settings)
+    })
+    .await?;
     Ok(())
 }

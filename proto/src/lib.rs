@@ -1,6 +1,7 @@
 //! The `ordered_events.v1` wire contract and everything the producer, relay and consumer
 //! must agree on byte for byte: canonical body, transport limits, the flow state machine,
-//! payload decoders, crash-point names and SQLite connection settings.
+//! payload decoders, crash-point names and SQLite connection settings. The process runtime
+//! the binaries share (serving, authentication, logging) is the `runtime` crate.
 
 pub mod body;
 pub mod crash;

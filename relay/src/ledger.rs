@@ -4,7 +4,6 @@
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use producer::store::{self, OutboxRecord};
 use proto::crash::{CrashPoint, CrashSwitch};
@@ -22,13 +21,6 @@ impl Ledger {
     /// Opens an existing producer.db (the relay never creates one).
     pub fn open(path: &Path, crash: CrashSwitch) -> Result<Ledger, DbError> {
         let conn = store::open(path, OpenMode::Existing)?;
-        let eff = db::effective(&conn).map_err(|source| DbError::Sqlite { path: path.to_owned(), source })?;
-        tracing::info!(
-            db = %path.display(),
-            journal_mode = %eff.journal_mode,
-            synchronous = %eff.synchronous,
-            "producer database open"
-        );
         Ok(Ledger { conn: Arc::new(Mutex::new(conn)), crash })
     }
 
@@ -37,14 +29,10 @@ impl Ledger {
         T: Send + 'static,
         F: FnOnce(&mut Connection, CrashSwitch) -> rusqlite::Result<T> + Send + 'static,
     {
-        let conn = Arc::clone(&self.conn);
         let crash = self.crash;
-        tokio::task::spawn_blocking(move || {
-            let mut guard = conn.lock().unwrap_or_else(|p| p.into_inner());
-            f(&mut guard, crash)
-        })
-        .await
-        .unwrap_or_else(|e| Err(rusqlite::Error::ToSqlConversionFailure(Box::new(e))))
+        runtime::blocking::with_locked(&self.conn, move |conn| f(conn, crash))
+            .await
+            .unwrap_or_else(|e| Err(rusqlite::Error::ToSqlConversionFailure(Box::new(e))))
     }
 
     /// Up to `limit` unaccepted rows after `cursor`, in `(flow_id, seq)` order.
@@ -68,7 +56,7 @@ impl Ledger {
     pub async fn record(&self, answers: Vec<Recorded>) -> rusqlite::Result<()> {
         self.blocking(move |conn, crash| {
             let tx = db::begin_immediate(conn)?;
-            let now = now_us();
+            let now = runtime::now_us();
             let mut marked = false;
             for answer in &answers {
                 store::record_delivery(&tx, &answer.event_id, answer.outcome, answer.accepted, now)?;
@@ -96,8 +84,4 @@ pub struct Recorded {
     pub outcome: &'static str,
     /// The consumer durably holds the event (`ACCEPTED` or `DUPLICATE`).
     pub accepted: bool,
-}
-
-fn now_us() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as i64).unwrap_or(0)
 }

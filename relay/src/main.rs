@@ -92,6 +92,7 @@ enum ModeArg {
 async fn main() -> ExitCode {
     let args = Args::parse();
     runtime::serve::init_tracing(args.log_format);
+    runtime::alloc::tune_allocation();
     let shutdown = runtime::serve::shutdown_signal();
     let (Some(producer_db), Some(consumer_url)) = (args.producer_db, args.consumer) else {
         eprintln!(

@@ -10,10 +10,10 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use producer::store::OutboxRecord;
-use runtime::auth::SendToken;
 use proto::body::Event;
 use proto::pb;
 use proto::pb::consumer_client::ConsumerClient;
+use runtime::auth::SendToken;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};

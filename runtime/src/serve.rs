@@ -126,15 +126,23 @@ pub struct ServeOptions {
 /// Why the server options cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum OptionsError {
+    /// The token file is unreadable or invalid.
     #[error(transparent)]
     Token(#[from] crate::auth::TokenError),
+    /// A TLS certificate or key file is unreadable.
     #[error("TLS file {path}: {source}")]
-    TlsFile { path: String, source: std::io::Error },
+    TlsFile {
+        /// The certificate or key file.
+        path: String,
+        /// Why reading failed.
+        source: std::io::Error,
+    },
 }
 
 /// [`ServeOptions`] with their files read: what `serve` and the services use.
 #[derive(Clone, Debug)]
 pub struct ServerSettings {
+    /// The flags as given.
     pub options: ServeOptions,
     token: Option<std::sync::Arc<str>>,
     tls: Option<tonic::transport::Identity>,
@@ -157,11 +165,6 @@ impl ServeOptions {
 }
 
 impl ServerSettings {
-    /// Defaults: no token, no TLS (for tests and embedding).
-    pub fn plain(options: ServeOptions) -> ServerSettings {
-        ServerSettings { options, token: None, tls: None }
-    }
-
     /// The interceptor for the ordered_events.v1 services.
     pub fn require_token(&self) -> crate::auth::RequireToken {
         crate::auth::RequireToken::new(self.token.clone())
