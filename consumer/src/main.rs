@@ -5,7 +5,6 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{ArgAction, Parser};
-use runtime::LogFormat;
 
 /// Stores every well-formed event durably in its inbox (accepted) and applies each flow's
 /// events strictly in seq order (applied), serving `ordered_events.v1.Consumer` (Receive,
@@ -72,16 +71,13 @@ struct Args {
         value_parser = clap::builder::BoolishValueParser::new()
     )]
     auto_apply: bool,
-    /// Log format on stderr.
-    #[arg(long, env = "ORDERED_EVENTS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
-    log_format: LogFormat,
     #[command(flatten)]
-    serve: runtime::serve::ServeOptions,
+    server: runtime::ServerFlags,
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    runtime::process_main("consumer", args.log_format, run(args))
+    runtime::process_main("consumer", args.server.log_format, run(args))
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
@@ -97,7 +93,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         apply_batch: args.apply_batch,
         auto_apply: args.auto_apply,
     })?;
-    let settings = args.serve.load()?;
+    let settings = args.server.serve.load()?;
     runtime::run_server("consumer", args.listen, |listener, shutdown| {
         consumer::run(service, listener, shutdown, &settings)
     })

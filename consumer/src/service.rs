@@ -228,9 +228,7 @@ pub async fn run(
     };
     let svc = pb::consumer_server::ConsumerServer::new(service)
         .max_decoding_message_size(settings.max_message_bytes());
-    let svc = tonic::service::interceptor::InterceptedService::new(svc, settings.require_token());
-    runtime::serve::serve(listener, "ordered_events.v1.Consumer", |r| r.add_service(svc), shutdown, settings)
-        .await
+    runtime::serve_authenticated(listener, svc, shutdown, settings).await
 }
 
 /// The one mapping of store failures to statuses: busy is `UNAVAILABLE` (retryable),

@@ -5,7 +5,6 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use runtime::LogFormat;
 
 /// Commits each flow step and its outbox event in one SQLite transaction, and serves
 /// `ordered_events.v1.Producer` (Advance, GetFlow) with gRPC health and reflection.
@@ -39,16 +38,13 @@ struct Args {
     /// for the relay (retries, conflicts and stale calls are still answered). 0: no cap.
     #[arg(long, env = "ORDERED_EVENTS_MAX_UNACCEPTED", value_name = "N", default_value_t = 1_000_000)]
     max_unaccepted: u64,
-    /// Log format on stderr.
-    #[arg(long, env = "ORDERED_EVENTS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
-    log_format: LogFormat,
     #[command(flatten)]
-    serve: runtime::serve::ServeOptions,
+    server: runtime::ServerFlags,
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    runtime::process_main("producer", args.log_format, run(args))
+    runtime::process_main("producer", args.server.log_format, run(args))
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
@@ -58,7 +54,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         max_batch: args.max_batch,
         max_unaccepted: (args.max_unaccepted > 0).then_some(args.max_unaccepted),
     })?;
-    let settings = args.serve.load()?;
+    let settings = args.server.serve.load()?;
     runtime::run_server("producer", args.listen, |listener, shutdown| {
         producer::run(service, listener, shutdown, &settings)
     })

@@ -62,9 +62,7 @@ pub async fn run(
 ) -> Result<(), tonic::transport::Error> {
     let svc = pb::producer_server::ProducerServer::new(service)
         .max_decoding_message_size(settings.max_message_bytes());
-    let svc = tonic::service::interceptor::InterceptedService::new(svc, settings.require_token());
-    runtime::serve::serve(listener, "ordered_events.v1.Producer", |r| r.add_service(svc), shutdown, settings)
-        .await
+    runtime::serve_authenticated(listener, svc, shutdown, settings).await
 }
 
 fn event_pb(row: &OutboxRecord) -> pb::StoredEvent {

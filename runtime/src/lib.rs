@@ -11,7 +11,9 @@ pub mod group;
 pub mod process;
 pub mod serve;
 
-pub use process::{OpenError, ServeError, Shutdown, process_main, run_server};
+pub use process::{
+    OpenError, ServeError, ServerFlags, Shutdown, process_main, run_server, serve_authenticated,
+};
 pub use serve::LogFormat;
 
 /// Microseconds since the Unix epoch, for the `*_at_us` columns (0 if the clock is before

@@ -3,14 +3,35 @@
 //! exit path that prints one error line. The producer's and consumer's `main` are this plus
 //! their flags.
 
+use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::process::ExitCode;
 
 use tokio::net::TcpListener;
+use tonic::body::Body;
+use tonic::codegen::Service;
+use tonic::codegen::http;
+use tonic::server::NamedService;
+use tonic::service::interceptor::InterceptedService;
 
-use crate::serve::{LogFormat, announce, exit_code, init_tracing, shutdown_signal};
+use crate::serve::{
+    LogFormat, ServeOptions, ServerSettings, announce, exit_code, init_tracing, shutdown_signal,
+};
+
+/// The flags every server takes beside its own (flatten into its clap arguments): the log
+/// format and the [`ServeOptions`], each with an `ORDERED_EVENTS_*` twin.
+#[derive(Clone, Debug, clap::Args)]
+#[command(next_help_heading = "Server options")]
+pub struct ServerFlags {
+    /// Log format on stderr.
+    #[arg(long, env = "ORDERED_EVENTS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+    /// Limits, authentication and TLS.
+    #[command(flatten)]
+    pub serve: ServeOptions,
+}
 
 /// Why a service could not start: its database, or the writer thread that owns its writes.
 #[derive(Debug, thiserror::Error)]
@@ -58,6 +79,28 @@ where
         Err(e) => return exit_code(name, Err(format!("cannot start the async runtime: {e}"))),
     };
     exit_code(name, runtime.block_on(run))
+}
+
+/// Serves one `ordered_events.v1` service (a generated server, its limits set) behind the
+/// bearer-token check of `settings`, beside health and reflection, until `shutdown` and the
+/// drain complete (see [`crate::serve::serve`]).
+pub async fn serve_authenticated<S>(
+    listener: TcpListener,
+    service: S,
+    shutdown: impl Future<Output = ()> + Send,
+    settings: &ServerSettings,
+) -> Result<(), tonic::transport::Error>
+where
+    S: Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible>
+        + NamedService
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let guarded = InterceptedService::new(service, settings.require_token());
+    crate::serve::serve(listener, S::NAME, |r| r.add_service(guarded), shutdown, settings).await
 }
 
 /// Binds `listen`, installs the signal handlers, prints the bound address as the first
