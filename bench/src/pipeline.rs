@@ -68,6 +68,8 @@ pub fn proc_stats(pid: &str) -> ProcStats {
     let after_comm = stat.rsplit_once(')').map(|(_, rest)| rest).unwrap_or_default();
     let fields: Vec<&str> = after_comm.split_whitespace().collect();
     let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // The clock-tick rate has no safe std or libc wrapper, hence the one unsafe block here.
+    #[allow(unsafe_code)]
     // SAFETY: sysconf has no preconditions.
     let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
     ProcStats {

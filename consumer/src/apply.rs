@@ -5,11 +5,12 @@
 //! failing step rolls back alone and racing appliers (threads or processes) leave one effect
 //! per seq.
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 
 use proto::body::Event;
 use proto::crash::{CrashPoint, CrashSwitch};
 use proto::db::{self, StepFailure};
+use runtime::blocking::lock;
 use rusqlite::{Connection, Transaction};
 
 use crate::rules::{BlockReason, Decision, Projection, decide_next};
@@ -23,7 +24,9 @@ pub const DEFAULT_APPLY_BATCH: usize = 256;
 /// many steps one transaction may hold.
 #[derive(Clone, Copy, Debug)]
 pub struct ApplyOptions {
+    /// Decode schema 2 (`{"units": n}`); without it such rows block as unsupported.
     pub support_v2: bool,
+    /// The crash point this process is armed with, if any.
     pub crash: CrashSwitch,
     /// Steps (applied or blocked marks) per transaction; 1 commits each step alone.
     pub max_batch: usize,
@@ -48,9 +51,19 @@ pub enum Stop {
     /// Nothing more is stored for the flow.
     Idle,
     /// The next seq is missing while a larger one is stored.
-    Gap { waiting_for_seq: u64 },
+    Gap {
+        /// The missing seq.
+        waiting_for_seq: u64,
+    },
     /// The next row cannot be applied; it is stored as `blocked` with `reason`.
-    Blocked { event_id: String, reason: BlockReason, detail: String },
+    Blocked {
+        /// The blocked row's event.
+        event_id: String,
+        /// Why it is blocked, as stored.
+        reason: BlockReason,
+        /// Why in words.
+        detail: String,
+    },
     /// The step limit was reached while a next row exists.
     Limit,
 }
@@ -59,9 +72,13 @@ pub enum Stop {
 /// projection it stopped at.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ApplyReport {
+    /// The flow.
     pub flow_id: String,
+    /// The event ids this call applied, in seq order.
     pub applied: Vec<String>,
+    /// Why it stopped.
     pub stop: Stop,
+    /// The flow's projection where it stopped.
     pub projection: Projection,
 }
 
@@ -70,20 +87,11 @@ pub struct ApplyReport {
 #[derive(Debug, thiserror::Error)]
 #[error("{source} (this call applied and committed {} step(s) before the failure)", applied.len())]
 pub struct ApplyFailure {
+    /// The event ids committed before the failure, in seq order.
     pub applied: Vec<String>,
+    /// The storage failure.
     #[source]
     pub source: StoreError,
-}
-
-/// Locks the shared connection. A panic while holding the lock rolled its transaction back
-/// on unwind; the connection itself is still usable.
-pub fn lock(conn: &Mutex<Connection>) -> MutexGuard<'_, Connection> {
-    lock_any(conn)
-}
-
-/// Locks any mutex whose data stays valid when a holder panicked.
-pub fn lock_any<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Applies `flow_id`'s exact next seqs, up to `max_steps`, in transactions of up to
@@ -109,7 +117,9 @@ pub fn apply_flow(
 /// One flow's result in `apply_all` and `apply_flows`.
 #[derive(Debug)]
 pub struct FlowResult {
+    /// The flow.
     pub flow_id: String,
+    /// What applying it did, or how it failed.
     pub outcome: Result<ApplyReport, ApplyFailure>,
 }
 
@@ -361,7 +371,7 @@ fn step_in_tx(
             Ok(Progress::Stopped { stop, projection: from, wrote })
         }
         Decision::Apply { kind, after } => {
-            let now = crate::now_us();
+            let now = runtime::now_us();
             match db::in_savepoint(tx, |tx| {
                 store::apply_step(tx, &row, &from, kind, &after, &opts.crash, now)
             })? {

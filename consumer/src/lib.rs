@@ -10,10 +10,4 @@ pub mod service;
 pub mod storage;
 pub mod store;
 
-pub use service::{Config, ConsumerService, OpenError, run};
-
-/// Microseconds since the Unix epoch, for the `*_at_us` columns (0 if the clock is before it).
-pub(crate) fn now_us() -> i64 {
-    use std::time::{SystemTime, UNIX_EPOCH};
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as i64).unwrap_or(0)
-}
+pub use service::{Config, ConsumerService, run};

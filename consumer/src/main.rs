@@ -5,7 +5,6 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{ArgAction, Parser};
-use proto::serve::LogFormat;
 
 /// Stores every well-formed event durably in its inbox (accepted) and applies each flow's
 /// events strictly in seq order (applied), serving `ordered_events.v1.Consumer` (Receive,
@@ -43,7 +42,7 @@ struct Args {
         env = "ORDERED_EVENTS_CONSUMER_MAX_BATCH",
         value_name = "N",
         default_value_t = consumer::receive::DEFAULT_MAX_BATCH,
-        value_parser = proto::group::parse_cap
+        value_parser = runtime::group::parse_cap
     )]
     max_batch: usize,
     /// Backlog cap: while the inbox holds this many unapplied (pending + blocked) rows, a new
@@ -58,7 +57,7 @@ struct Args {
         env = "ORDERED_EVENTS_APPLY_MAX_BATCH",
         value_name = "N",
         default_value_t = consumer::apply::DEFAULT_APPLY_BATCH,
-        value_parser = proto::group::parse_cap
+        value_parser = runtime::group::parse_cap
     )]
     apply_batch: usize,
     /// Apply automatically: after each committed Receive batch, apply the flows it touched
@@ -72,26 +71,20 @@ struct Args {
         value_parser = clap::builder::BoolishValueParser::new()
     )]
     auto_apply: bool,
-    /// Log format on stderr.
-    #[arg(long, env = "ORDERED_EVENTS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
-    log_format: LogFormat,
     #[command(flatten)]
-    serve: proto::serve::ServeOptions,
+    server: runtime::ServerFlags,
 }
 
-#[tokio::main(flavor = "current_thread")]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
     let args = Args::parse();
-    proto::serve::init_tracing(args.log_format);
-    proto::serve::exit_code("consumer", run(args).await)
+    runtime::process_main("consumer", args.server.log_format, run(args))
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
-    let crash = proto::crash::CrashSwitch::from_env()?;
-    let config = consumer::Config {
+    let service = consumer::ConsumerService::open(&consumer::Config {
         db: args.db,
         support_v2: args.support_v2,
-        crash,
+        crash: proto::crash::CrashSwitch::from_env()?,
         max_batch: args.max_batch,
         admission: match args.max_pending {
             0 => consumer::store::Admission::Unlimited,
@@ -99,17 +92,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
         },
         apply_batch: args.apply_batch,
         auto_apply: args.auto_apply,
-    };
-    let service = consumer::ConsumerService::open(&config)?;
-    let settings = args.serve.load()?;
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", args.listen))?;
-    let addr = listener.local_addr()?;
-    let shutdown = proto::serve::shutdown_signal();
-    proto::serve::announce(addr);
-    tracing::info!(%addr, "consumer serving");
-    consumer::run(service, listener, shutdown, &settings).await?;
-    tracing::info!("consumer stopped");
+    })?;
+    let settings = args.server.serve.load()?;
+    runtime::run_server("consumer", args.listen, |listener, shutdown| {
+        consumer::run(service, listener, shutdown, &settings)
+    })
+    .await?;
     Ok(())
 }

@@ -46,14 +46,19 @@ impl StreamState {
 /// history (its inbox position; 0 when nothing is stored under its id).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Received {
+    /// The decision.
     pub outcome: ReceiveOutcome,
+    /// The event's inbox position (0 when nothing is stored under its id).
     pub position: u64,
 }
 
 /// One envelope that passed the transport limits, queued for the writer.
 pub struct ReceiveJob {
+    /// The envelope's event.
     pub event: Event,
+    /// The stream it came on (the writer skips envelopes of a failed stream).
     pub stream: Arc<StreamState>,
+    /// Gets the decision after the commit that holds it (or the failure).
     pub reply: oneshot::Sender<Result<Received, Status>>,
 }
 
@@ -64,6 +69,7 @@ pub struct WriterOptions {
     pub max_batch: usize,
     /// Apply the flows each committed batch touched.
     pub auto_apply: bool,
+    /// How auto-apply applies.
     pub apply: ApplyOptions,
     /// The backlog cap (`--max-pending`).
     pub admission: store::Admission,
@@ -85,10 +91,10 @@ pub fn spawn(conn: Arc<Mutex<Connection>>, opts: WriterOptions) -> std::io::Resu
             .name("auto-apply-sweep".into())
             .spawn(move || sweep(&conn, opts.apply))?;
     }
-    proto::group::spawn_writer("receive-writer", opts.max_batch, queue, move |jobs: Vec<ReceiveJob>| {
+    runtime::group::spawn_writer("receive-writer", opts.max_batch, queue, move |jobs: Vec<ReceiveJob>| {
         let started = std::time::Instant::now();
         let results =
-            receive_batch(&mut apply::lock(&conn), &jobs, &opts.apply.crash, opts.admission, opts.storage());
+            receive_batch(&mut runtime::blocking::lock(&conn), &jobs, &opts.apply.crash, opts.admission, opts.storage());
         let committed = started.elapsed();
         let batch_len = jobs.len();
         let mut touched = BTreeSet::new();
@@ -188,7 +194,7 @@ pub fn receive_batch(
             results.push(Err(Status::aborted("receive: an earlier envelope of this stream failed")));
             continue;
         }
-        let now = crate::now_us();
+        let now = runtime::now_us();
         let decided = db::in_savepoint(&tx, |tx| {
             let outcome = store::insert_pending(tx, &job.event, now, admission)?;
             let position = match outcome {

@@ -8,8 +8,11 @@ use proto::flow::{DecodeError, FlowState, Kind, check_step, decode_amount};
 /// Why a stored row cannot be applied yet; stored lowercase in `inbox.reason`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BlockReason {
+    /// No decoder for the row's schema is enabled (a consumer with one can apply it).
     UnsupportedSchema,
+    /// The payload does not carry a valid amount for its schema.
     InvalidPayload,
+    /// The step is not legal from the flow's applied state.
     InvalidTransition,
 }
 
@@ -39,6 +42,7 @@ impl BlockReason {
 pub struct Projection {
     /// The seq of the last applied event (0: none).
     pub last_seq: u64,
+    /// The state the last applied event led to.
     pub state: FlowState,
     /// Units held now (`state.held(amount)`).
     pub held: i64,
@@ -61,9 +65,19 @@ impl Projection {
 pub enum Decision {
     /// Apply it: the projection becomes `after`, and the effect records `kind` and
     /// `after.held`.
-    Apply { kind: Kind, after: Projection },
+    Apply {
+        /// The step the row makes.
+        kind: Kind,
+        /// The projection after it.
+        after: Projection,
+    },
     /// Leave it stored, marked `blocked` with `reason`; `detail` says why in words.
-    Block { reason: BlockReason, detail: String },
+    Block {
+        /// Why, as stored.
+        reason: BlockReason,
+        /// Why in words.
+        detail: String,
+    },
 }
 
 /// Decides about `event`, the row stored at `from.next_seq()`, for a consumer whose v2
@@ -111,7 +125,10 @@ pub enum Waiting {
     /// The next row is stored and blocked for this reason.
     Blocked(BlockReason),
     /// The next seq is missing while later ones are stored.
-    Gap { waiting_for_seq: u64 },
+    Gap {
+        /// The missing seq.
+        waiting_for_seq: u64,
+    },
 }
 
 /// Classifies a waiting flow from its projection and its lowest unapplied row (its seq and,

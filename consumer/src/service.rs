@@ -8,8 +8,10 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use proto::crash::CrashSwitch;
-use proto::db::{self, storage_status};
+use proto::db::storage_status;
 use proto::pb;
+use runtime::OpenError;
+use runtime::blocking::{with_locked, with_shared};
 use rusqlite::Connection;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot, watch};
@@ -26,9 +28,11 @@ use crate::store::{self, EffectRecord, InboxRecord, ReceiveOutcome, StoreError};
 /// What the consumer needs to run (validated flags).
 #[derive(Clone, Debug)]
 pub struct Config {
+    /// consumer.db; created with its schema if missing.
     pub db: PathBuf,
     /// Decode schema 2 (`{"units": n}`).
     pub support_v2: bool,
+    /// The crash point this process is armed with, if any.
     pub crash: CrashSwitch,
     /// Envelopes per Receive transaction (one durable commit); 1 commits each alone.
     pub max_batch: usize,
@@ -38,17 +42,6 @@ pub struct Config {
     pub auto_apply: bool,
     /// The backlog cap on unapplied inbox rows.
     pub admission: store::Admission,
-}
-
-/// Why the consumer could not start.
-#[derive(Debug, thiserror::Error)]
-pub enum OpenError {
-    #[error(transparent)]
-    Db(#[from] db::DbError),
-    #[error("cannot start the writer thread: {0}")]
-    Writer(#[from] std::io::Error),
-    #[error("cannot read the consumer database identity: {0}")]
-    Identity(String),
 }
 
 /// Answers buffered per `Receive` stream before the reader waits for the client.
@@ -87,17 +80,13 @@ impl ConsumerService {
     /// Receive writer thread.
     pub fn open(config: &Config) -> Result<ConsumerService, OpenError> {
         let conn = store::open(&config.db)?;
-        let eff =
-            db::effective(&conn).map_err(|source| db::DbError::Sqlite { path: config.db.clone(), source })?;
         tracing::info!(
-            db = %config.db.display(),
-            journal_mode = %eff.journal_mode,
-            synchronous = %eff.synchronous,
             v2_decoder = if config.support_v2 { "enabled" } else { "disabled" },
             max_batch = config.max_batch,
             apply_batch = config.apply_batch,
             auto_apply = config.auto_apply,
-            "consumer database open"
+            admission = ?config.admission,
+            "consumer writer and applier"
         );
         let identity = store::identity(&conn).map_err(|e| OpenError::Identity(e.to_string()))?;
         tracing::info!(
@@ -124,30 +113,6 @@ impl ConsumerService {
             },
         )?;
         Ok(ConsumerService { conn, opts, writer, stopping: Arc::new(watch::channel(false).0), storage })
-    }
-
-    /// Runs `f` with the connection on a blocking thread (SQLite never blocks the runtime).
-    async fn with_conn<T, F>(&self, f: F) -> Result<T, Status>
-    where
-        T: Send + 'static,
-        F: FnOnce(&mut Connection) -> Result<T, Status> + Send + 'static,
-    {
-        let conn = Arc::clone(&self.conn);
-        tokio::task::spawn_blocking(move || f(&mut apply::lock(&conn)))
-            .await
-            .map_err(|e| Status::internal(format!("storage task failed: {e}")))?
-    }
-
-    /// Runs `f` on a blocking thread with the shared connection (it locks per step).
-    async fn with_shared<T, F>(&self, f: F) -> Result<T, Status>
-    where
-        T: Send + 'static,
-        F: FnOnce(&Mutex<Connection>) -> T + Send + 'static,
-    {
-        let conn = Arc::clone(&self.conn);
-        tokio::task::spawn_blocking(move || f(&conn))
-            .await
-            .map_err(|e| Status::internal(format!("storage task failed: {e}")))
     }
 
     /// Answers `inbound`'s envelopes in read order until the client half-closes: a reader
@@ -273,7 +238,7 @@ pub async fn run(
     service: ConsumerService,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
-    settings: &proto::serve::ServerSettings,
+    settings: &runtime::serve::ServerSettings,
 ) -> Result<(), tonic::transport::Error> {
     let stopping = Arc::clone(&service.stopping);
     let storage = service.storage.serving();
@@ -283,16 +248,7 @@ pub async fn run(
     };
     let svc = pb::consumer_server::ConsumerServer::new(service)
         .max_decoding_message_size(settings.max_message_bytes());
-    let svc = tonic::service::interceptor::InterceptedService::new(svc, settings.require_token());
-    proto::serve::serve_with_health(
-        listener,
-        "ordered_events.v1.Consumer",
-        |r| r.add_service(svc),
-        shutdown,
-        settings,
-        Some(storage),
-    )
-    .await
+    runtime::serve_authenticated(listener, svc, shutdown, settings, Some(storage)).await
 }
 
 /// The one mapping of store failures to statuses: busy is `UNAVAILABLE` (retryable),
@@ -418,8 +374,7 @@ impl pb::consumer_server::Consumer for ConsumerService {
         let opts = self.opts;
         let flow_id = req.flow_id;
         let id = flow_id.clone();
-        let report = self
-            .with_shared(move |conn| apply::apply_flow(conn, &id, max_steps, opts))
+        let report = with_shared(&self.conn, move |conn| apply::apply_flow(conn, &id, max_steps, opts))
             .await?
             .map_err(|f| failure_status(&flow_id, &f))?;
         tracing::debug!(flow_id = %report.flow_id, applied = report.applied.len(), stop = ?report.stop, "apply");
@@ -432,8 +387,7 @@ impl pb::consumer_server::Consumer for ConsumerService {
     ) -> Result<Response<pb::ApplyAllResponse>, Status> {
         let max_steps = request::max_steps(request.into_inner().max_steps).map_err(invalid)?;
         let opts = self.opts;
-        let results = self
-            .with_shared(move |conn| apply::apply_all(conn, max_steps, opts))
+        let results = with_shared(&self.conn, move |conn| apply::apply_all(conn, max_steps, opts))
             .await?
             .map_err(|e| store_status("apply_all: listing flows", &e))?;
         let results = results
@@ -463,17 +417,16 @@ impl pb::consumer_server::Consumer for ConsumerService {
         let flow_id = request.into_inner().flow_id;
         request::flow_id(&flow_id).map_err(invalid)?;
         let id = flow_id.clone();
-        let (projection, inbox, effects) = self
-            .with_conn(move |conn| {
-                // One read transaction so projection, inbox and effects are one snapshot.
-                let read = |e: StoreError| store_status("get_flow", &e);
-                let tx = conn.transaction().map_err(|e| storage_status("get_flow", &e))?;
-                let projection = store::projection(&tx, &id).map_err(read)?;
-                let inbox = store::flow_inbox(&tx, &id).map_err(read)?;
-                let effects = store::flow_effects(&tx, &id).map_err(read)?;
-                Ok((projection, inbox, effects))
-            })
-            .await?;
+        let (projection, inbox, effects) = with_locked(&self.conn, move |conn: &mut Connection| {
+            // One read transaction so projection, inbox and effects are one snapshot.
+            let tx = conn.transaction()?;
+            let projection = store::projection(&tx, &id)?;
+            let inbox = store::flow_inbox(&tx, &id)?;
+            let effects = store::flow_effects(&tx, &id)?;
+            Ok((projection, inbox, effects))
+        })
+        .await?
+        .map_err(|e: StoreError| store_status("get_flow", &e))?;
         Ok(Response::new(pb::ConsumerFlow {
             flow_id,
             projection: Some(projection_pb(&projection)),
@@ -488,14 +441,13 @@ impl pb::consumer_server::Consumer for ConsumerService {
     ) -> Result<Response<pb::IdentifyResponse>, Status> {
         let producer = request.into_inner().producer_database_id;
         let storage = self.storage;
-        let identity = self
-            .with_conn(move |conn| {
-                // A database deleted or replaced under us must not vouch for its history.
-                storage.before_commit().map_err(|e| store_status("identify", &e))?;
-                let tx = conn.transaction().map_err(|e| storage_status("identify", &e))?;
-                store::identity(&tx).map_err(|e| store_status("identify", &e))
-            })
-            .await?;
+        let identity = with_locked(&self.conn, move |conn: &mut Connection| {
+            // A database deleted or replaced under us must not vouch for its history.
+            storage.before_commit().map_err(|e| store_status("identify", &e))?;
+            let tx = conn.transaction().map_err(|e| storage_status("identify", &e))?;
+            store::identity(&tx).map_err(|e| store_status("identify", &e))
+        })
+        .await??;
         tracing::info!(
             producer_database_id = %producer,
             database_id = %identity.database_id,
@@ -513,12 +465,12 @@ impl pb::consumer_server::Consumer for ConsumerService {
         request: Request<pb::ListStuckRequest>,
     ) -> Result<Response<pb::ListStuckResponse>, Status> {
         let limit = request::stuck_limit(request.into_inner().limit).map_err(invalid)?;
-        let (flows, total) = self
-            .with_conn(move |conn| {
-                let tx = conn.transaction().map_err(|e| storage_status("list_stuck", &e))?;
-                store::backlog(&tx, limit as usize).map_err(|e| store_status("list_stuck", &e))
-            })
-            .await?;
+        let (flows, total) = with_locked(&self.conn, move |conn: &mut Connection| {
+            let tx = conn.transaction()?;
+            store::backlog(&tx, limit as usize)
+        })
+        .await?
+        .map_err(|e: StoreError| store_status("list_stuck", &e))?;
         let flows = flows
             .into_iter()
             .map(|b| {

@@ -121,7 +121,7 @@ impl StorageWatch {
             return;
         }
         let cause = error.to_string();
-        let mut failing = apply::lock_any(&self.failing);
+        let mut failing = runtime::blocking::lock(&self.failing);
         if failing.as_deref() != Some(cause.as_str()) {
             tracing::error!(
                 db = %self.path.display(),
@@ -134,14 +134,14 @@ impl StorageWatch {
         drop(failing);
         self.apply_owed.store(true, std::sync::atomic::Ordering::Release);
         self.serving.send_if_modified(|s| std::mem::replace(s, false));
-        if let Some(wake) = apply::lock_any(&self.wake).as_ref() {
+        if let Some(wake) = runtime::blocking::lock(&self.wake).as_ref() {
             let _ = wake.send(());
         }
     }
 
     /// Reports a successful commit: after a failure, logged once, and health goes `SERVING`.
     pub fn commit_succeeded(&self) {
-        let mut failing = apply::lock_any(&self.failing);
+        let mut failing = runtime::blocking::lock(&self.failing);
         if let Some(cause) = failing.take() {
             tracing::info!(db = %self.path.display(), after = %cause, "consumer.db commits again: health SERVING");
             self.serving.send_replace(true);
@@ -150,7 +150,7 @@ impl StorageWatch {
 
     /// True while the last commit failed.
     pub fn is_failing(&self) -> bool {
-        apply::lock_any(&self.failing).is_some()
+        runtime::blocking::lock(&self.failing).is_some()
     }
 
     /// `true` while storage commits (`SERVING`), `false` while it fails.
@@ -167,7 +167,7 @@ impl StorageWatch {
         auto_apply: Option<ApplyOptions>,
     ) -> std::io::Result<()> {
         let (wake, woken) = std::sync::mpsc::channel::<()>();
-        *apply::lock_any(&self.wake) = Some(wake);
+        *runtime::blocking::lock(&self.wake) = Some(wake);
         std::thread::Builder::new().name("storage-recovery".into()).spawn(move || {
             let mut pause = RETRY_FIRST;
             loop {
@@ -205,9 +205,9 @@ impl StorageWatch {
 
     /// One real commit: a write to the identity row, checked like every other commit.
     fn probe(&self, conn: &Mutex<Connection>) -> Result<(), StoreError> {
-        let mut conn = apply::lock(conn);
+        let mut conn = runtime::blocking::lock(conn);
         let tx = proto::db::begin_immediate(&mut conn)?;
-        store::touch_probe(&tx, crate::now_us())?;
+        store::touch_probe(&tx, runtime::now_us())?;
         self.before_commit()?;
         tx.commit()?;
         Ok(())

@@ -15,13 +15,7 @@ use crate::rules::{BlockReason, Projection};
 
 /// consumer.db: identity and schema (version 2: version 1 plus the database identity; a new
 /// file gets version 1's schema and then every upgrade).
-pub const KIND: DbKind = DbKind {
-    name: "consumer",
-    application_id: db::CONSUMER_APPLICATION_ID,
-    user_version: 2,
-    schema_sql: SCHEMA,
-    upgrades: &[IDENTITY_SQL],
-};
+pub const KIND: DbKind = DbKind::consumer(2, SCHEMA, &[IDENTITY_SQL]);
 
 /// The database's identity, created with it: a random id that a copy restored from a backup
 /// keeps, and a recreated database does not. The inbox's rowid is the position of an
@@ -93,6 +87,7 @@ BEGIN UPDATE backlog SET unapplied = unapplied - 1 WHERE id = 1; END;
 /// Why a store call failed.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
+    /// SQLite failed (busy, I/O, constraint).
     #[error(transparent)]
     Sqlite(#[from] rusqlite::Error),
     /// The file holds something this module never writes (edited by hand, or a bug).
@@ -108,14 +103,17 @@ pub type Result<T> = std::result::Result<T, StoreError>;
 
 /// Opens (creating if needed) consumer.db with the shared settings.
 pub fn open(path: &Path) -> std::result::Result<Connection, DbError> {
-    db::open(path, &KIND, db::OpenMode::Create)
+    db::open_logged(path, &KIND, db::OpenMode::Create)
 }
 
 /// An inbox row's state: accepted (`pending` or `blocked`) or `applied`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum InboxState {
+    /// Accepted, waiting for its turn.
     Pending,
+    /// Accepted, and the applier found it cannot be applied (the row says why).
     Blocked,
+    /// Applied: its effect is recorded.
     Applied,
 }
 
@@ -142,23 +140,36 @@ impl InboxState {
 /// One inbox row.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct InboxRecord {
+    /// The event's id.
     pub event_id: String,
+    /// Its flow.
     pub flow_id: String,
+    /// Its seq in the flow.
     pub seq: u64,
+    /// The step it makes, as sent.
     pub kind: String,
+    /// Its payload schema.
     pub schema: u32,
+    /// The canonical body, stored verbatim.
     pub body: String,
+    /// Where it is: pending, blocked or applied.
     pub state: InboxState,
+    /// Why it is blocked (only while blocked).
     pub reason: Option<BlockReason>,
 }
 
 /// One effect row: the record an applied step leaves.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EffectRecord {
+    /// The applied event.
     pub event_id: String,
+    /// Its flow.
     pub flow_id: String,
+    /// Its seq: a flow's effects are seqs 1..n, each once.
     pub seq: u64,
+    /// The step it made.
     pub kind: String,
+    /// Units held after it.
     pub held: i64,
 }
 
@@ -172,10 +183,16 @@ pub enum ReceiveOutcome {
     /// This event id is stored with a different body; nothing written.
     IdConflict,
     /// Another event id holds this (flow_id, seq); nothing written.
-    SequenceConflict { held_by: String },
+    SequenceConflict {
+        /// The event id stored at that seq.
+        held_by: String,
+    },
     /// The inbox holds `unapplied` rows, at or over the cap, and this event fills no gap;
     /// nothing written. The sender retries later.
-    BacklogFull { unapplied: u64 },
+    BacklogFull {
+        /// Unapplied rows in the inbox.
+        unapplied: u64,
+    },
 }
 
 /// How many unapplied rows the inbox may hold before new events are refused for now.
@@ -520,7 +537,9 @@ pub const UNAPPLIED_COUNT_SQL: &str = "SELECT count(*) FROM inbox WHERE state <>
 /// One flow that waits with accepted-but-unapplied rows.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Backlog {
+    /// The flow.
     pub flow_id: String,
+    /// Its applied state.
     pub projection: Projection,
     /// Unapplied rows of the flow.
     pub waiting_rows: u64,

@@ -7,7 +7,7 @@ pub mod service;
 pub mod store;
 pub mod writer;
 
-pub use service::{Config, OpenError, ProducerService, run};
+pub use service::{Config, ProducerService, run};
 
 /// Default cap of `Advance` calls per transaction (`--max-batch`).
 pub const DEFAULT_MAX_BATCH: usize = 256;

@@ -9,11 +9,17 @@ use proto::pb;
 /// A well-formed `Advance` request.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AdvanceCommand {
+    /// The flow to step.
     pub flow_id: String,
+    /// The id the step's event gets (a retry sends the same one).
     pub event_id: String,
+    /// The flow's seq the caller last saw; any other seq makes the call `STALE`.
     pub expected_seq: u64,
+    /// The step.
     pub kind: Kind,
+    /// The payload schema the event is written with.
     pub schema: u32,
+    /// The flow's amount (fixed by `reserved`, repeated by the later steps).
     pub amount: i64,
 }
 

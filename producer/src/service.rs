@@ -7,8 +7,10 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use proto::crash::CrashSwitch;
-use proto::db::{self, OpenMode, storage_status};
+use proto::db::{OpenMode, storage_status};
 use proto::pb;
+use runtime::OpenError;
+use runtime::blocking::with_locked;
 use rusqlite::Connection;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
@@ -21,22 +23,15 @@ use crate::writer::{self, AdvanceJob};
 /// What the producer needs to run (validated flags).
 #[derive(Clone, Debug)]
 pub struct Config {
+    /// producer.db; created with its schema if missing.
     pub db: PathBuf,
+    /// The crash point this process is armed with, if any.
     pub crash: CrashSwitch,
     /// The most `Advance` calls one transaction (one durable commit) may hold; 1 commits
     /// each call alone.
     pub max_batch: usize,
     /// Refuse new steps (RESOURCE_EXHAUSTED) while this many outbox rows wait for the relay.
     pub max_unaccepted: Option<u64>,
-}
-
-/// Why the producer could not start.
-#[derive(Debug, thiserror::Error)]
-pub enum OpenError {
-    #[error(transparent)]
-    Db(#[from] db::DbError),
-    #[error("cannot start the writer thread: {0}")]
-    Writer(#[from] std::io::Error),
 }
 
 /// The service state: one connection to producer.db, used on blocking threads only (the
@@ -51,36 +46,10 @@ impl ProducerService {
     /// Opens (creating if needed) producer.db, logs the effective settings and starts the
     /// writer thread.
     pub fn open(config: &Config) -> Result<ProducerService, OpenError> {
-        let conn = store::open(&config.db, OpenMode::Create)?;
-        let eff =
-            db::effective(&conn).map_err(|source| db::DbError::Sqlite { path: config.db.clone(), source })?;
-        tracing::info!(
-            db = %config.db.display(),
-            journal_mode = %eff.journal_mode,
-            synchronous = %eff.synchronous,
-            max_batch = config.max_batch,
-            "producer database open"
-        );
-        let conn = Arc::new(Mutex::new(conn));
+        let conn = Arc::new(Mutex::new(store::open(&config.db, OpenMode::Create)?));
+        tracing::info!(max_batch = config.max_batch, max_unaccepted = ?config.max_unaccepted, "advance writer");
         let writer = writer::spawn(Arc::clone(&conn), config.crash, config.max_batch, config.max_unaccepted)?;
         Ok(ProducerService { conn, writer })
-    }
-
-    /// Runs `f` with the connection on a blocking thread (SQLite never blocks the runtime).
-    async fn with_conn<T, F>(&self, f: F) -> Result<T, Status>
-    where
-        T: Send + 'static,
-        F: FnOnce(&mut Connection) -> Result<T, Status> + Send + 'static,
-    {
-        let conn = Arc::clone(&self.conn);
-        tokio::task::spawn_blocking(move || {
-            // A panic while holding the lock rolled its transaction back on unwind; the
-            // connection itself is still usable.
-            let mut guard = conn.lock().unwrap_or_else(|p| p.into_inner());
-            f(&mut guard)
-        })
-        .await
-        .map_err(|e| Status::internal(format!("storage task failed: {e}")))?
     }
 }
 
@@ -89,13 +58,11 @@ pub async fn run(
     service: ProducerService,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
-    settings: &proto::serve::ServerSettings,
+    settings: &runtime::serve::ServerSettings,
 ) -> Result<(), tonic::transport::Error> {
     let svc = pb::producer_server::ProducerServer::new(service)
         .max_decoding_message_size(settings.max_message_bytes());
-    let svc = tonic::service::interceptor::InterceptedService::new(svc, settings.require_token());
-    proto::serve::serve(listener, "ordered_events.v1.Producer", |r| r.add_service(svc), shutdown, settings)
-        .await
+    runtime::serve_authenticated(listener, svc, shutdown, settings, None).await
 }
 
 fn event_pb(row: &OutboxRecord) -> pb::StoredEvent {
@@ -184,15 +151,16 @@ impl pb::producer_server::Producer for ProducerService {
         proto::limits::check_token("flow_id", &flow_id, proto::limits::MAX_ID_BYTES)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let id = flow_id.clone();
-        let (flow, rows): (FlowRecord, Vec<OutboxRecord>) = self
-            .with_conn(move |conn| {
+        let (flow, rows): (FlowRecord, Vec<OutboxRecord>) =
+            with_locked(&self.conn, move |conn: &mut Connection| {
                 // One read transaction so the flow and its rows are one snapshot.
-                let tx = conn.transaction().map_err(|e| storage_status("get_flow", &e))?;
-                let flow = store::flow_record(&tx, &id).map_err(|e| storage_status("get_flow", &e))?;
-                let rows = store::flow_outbox(&tx, &id).map_err(|e| storage_status("get_flow", &e))?;
+                let tx = conn.transaction()?;
+                let flow = store::flow_record(&tx, &id)?;
+                let rows = store::flow_outbox(&tx, &id)?;
                 Ok((flow, rows))
             })
-            .await?;
+            .await?
+            .map_err(|e: rusqlite::Error| storage_status("get_flow", &e))?;
         Ok(Response::new(pb::ProducerFlow {
             flow_id,
             seq: flow.seq,

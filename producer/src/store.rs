@@ -13,13 +13,7 @@ use crate::request::AdvanceCommand;
 
 /// producer.db: identity and schema (version 2: version 1, then the database identity and
 /// which consumer database accepted each row, at which position).
-pub const KIND: DbKind = DbKind {
-    name: "producer",
-    application_id: db::PRODUCER_APPLICATION_ID,
-    user_version: 2,
-    schema_sql: SCHEMA,
-    upgrades: &[IDENTITY_SQL],
-};
+pub const KIND: DbKind = DbKind::producer(2, SCHEMA, &[IDENTITY_SQL]);
 
 /// Version 2: the database's random identity, and on every accepted outbox row the consumer
 /// database that accepted it and the inbox position it answered, so a relay can tell when
@@ -82,14 +76,17 @@ BEGIN UPDATE backlog SET unaccepted = unaccepted - 1 WHERE id = 1; END;
 /// Opens producer.db with the shared settings (`Create` for the server, `Existing` for the
 /// relay, which refuses a file the producer has not created).
 pub fn open(path: &Path, mode: OpenMode) -> Result<Connection, DbError> {
-    db::open(path, &KIND, mode)
+    db::open_logged(path, &KIND, mode)
 }
 
 /// A flow's committed state as the producer sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FlowRecord {
+    /// The seq of the flow's last committed step (0: new).
     pub seq: u64,
+    /// The state that step led to.
     pub state: FlowState,
+    /// The amount fixed by `reserved` (0: new).
     pub amount: i64,
 }
 
@@ -100,28 +97,43 @@ impl FlowRecord {
 /// One outbox row.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OutboxRecord {
+    /// The event's id.
     pub event_id: String,
+    /// Its flow.
     pub flow_id: String,
+    /// Its seq in the flow.
     pub seq: u64,
+    /// The step it makes.
     pub kind: String,
+    /// Its payload schema.
     pub schema: u32,
+    /// The canonical body, exactly as committed and sent.
     pub body: String,
+    /// The consumer durably holds it (answered `ACCEPTED` or `DUPLICATE`).
     pub accepted: bool,
+    /// Answers the relay recorded for it.
     pub attempts: u64,
+    /// The last answer's word, e.g. `BACKLOG_FULL` (none before the first answer).
     pub last_outcome: Option<String>,
 }
 
 /// What `advance` decided.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum AdvanceOutcome {
+    /// The step and its outbox event are written (committed with the transaction).
     Committed,
+    /// The event id is already committed with the same body: a retry, nothing written.
     Existing,
+    /// The event id is already committed with another body; nothing written.
     Conflict,
+    /// The flow is not at `expected_seq`; nothing written.
     Stale,
+    /// The step is not legal from the flow's state; nothing written.
     InvalidTransition(TransitionError),
     /// The step is legal, but `unaccepted` outbox rows already wait for the relay, at or
     /// over the cap; nothing changed. Retry after the relay caught up.
     OutboxFull {
+        /// Outbox rows not yet accepted by the consumer.
         unaccepted: u64,
     },
 }
@@ -130,8 +142,11 @@ pub enum AdvanceOutcome {
 /// for `Committed`, `Existing` and `Conflict`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AdvanceReply {
+    /// What was decided.
     pub outcome: AdvanceOutcome,
+    /// The flow after the call.
     pub flow: FlowRecord,
+    /// The stored event of `event_id`, where one is.
     pub event: Option<OutboxRecord>,
 }
 

@@ -16,7 +16,9 @@ use crate::store::{self, AdvanceOutcome, AdvanceReply};
 
 /// One queued `Advance` and where its answer goes.
 pub struct AdvanceJob {
+    /// The validated call.
     pub cmd: AdvanceCommand,
+    /// Gets the answer after the commit that holds the call (or its failure).
     pub reply: oneshot::Sender<Result<AdvanceReply, Status>>,
 }
 
@@ -27,19 +29,15 @@ pub fn spawn(
     max_batch: usize,
     max_unaccepted: Option<u64>,
 ) -> std::io::Result<mpsc::Sender<AdvanceJob>> {
-    proto::group::spawn_writer(
+    runtime::group::spawn_writer(
         "advance-writer",
         max_batch,
         queue_len(max_batch),
         move |jobs: Vec<AdvanceJob>| {
             let (cmds, replies): (Vec<_>, Vec<_>) = jobs.into_iter().map(|j| (j.cmd, j.reply)).unzip();
             let started = std::time::Instant::now();
-            let results = {
-                // A panic while holding the lock rolled its transaction back on unwind; the
-                // connection itself is still usable.
-                let mut guard = conn.lock().unwrap_or_else(|p| p.into_inner());
-                advance_batch(&mut guard, &cmds, &crash, max_unaccepted)
-            };
+            let results =
+                { advance_batch(&mut runtime::blocking::lock(&conn), &cmds, &crash, max_unaccepted) };
             tracing::debug!(calls = cmds.len(), us = started.elapsed().as_micros() as u64, "advance batch");
             for (reply, result) in replies.into_iter().zip(results) {
                 // The caller may have gone away (deadline, disconnect); its answer is moot.
@@ -71,7 +69,7 @@ pub fn advance_batch(
     let mut results = Vec::with_capacity(cmds.len());
     let mut committed_any = false;
     for (i, cmd) in cmds.iter().enumerate() {
-        match db::in_savepoint(&tx, |tx| store::advance(tx, cmd, crash, now_us(), max_unaccepted)) {
+        match db::in_savepoint(&tx, |tx| store::advance(tx, cmd, crash, runtime::now_us(), max_unaccepted)) {
             Ok(reply) => {
                 committed_any |= reply.outcome == AdvanceOutcome::Committed;
                 results.push(Ok(reply));
@@ -97,11 +95,6 @@ pub fn advance_batch(
     }
     crash.reach(CrashPoint::ProducerAfterCommit);
     results
-}
-
-fn now_us() -> i64 {
-    use std::time::{SystemTime, UNIX_EPOCH};
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as i64).unwrap_or(0)
 }
 
 #[cfg(test)]

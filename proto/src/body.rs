@@ -15,9 +15,13 @@ pub const MAX_SAFE_INT: i64 = 1 << 53;
 /// A payload member value: the transport allows scalars only.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Scalar {
+    /// A JSON string.
     Str(String),
+    /// A JSON integer within ±[`MAX_SAFE_INT`].
     Int(i64),
+    /// `true` or `false`.
     Bool(bool),
+    /// `null`.
     Null,
 }
 
@@ -28,11 +32,17 @@ pub type Payload = BTreeMap<String, Scalar>;
 /// One immutable event, as committed by the producer and stored by the consumer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Event {
+    /// The event's identity: one id, one body, for ever.
     pub event_id: String,
+    /// The flow whose state the event changes.
     pub flow_id: String,
+    /// The event's position in its flow, from 1.
     pub seq: u64,
+    /// The step the event makes (`reserved`, `confirmed`, `released`), as sent.
     pub kind: String,
+    /// The payload's schema version.
     pub schema: u32,
+    /// The payload members, sorted by key.
     pub payload: Payload,
 }
 

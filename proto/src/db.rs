@@ -35,6 +35,26 @@ pub const PRODUCER_APPLICATION_ID: i32 = 0x4f45_5052;
 /// The consumer's database (`OECO`).
 pub const CONSUMER_APPLICATION_ID: i32 = 0x4f45_434f;
 
+impl DbKind {
+    /// producer.db at schema version `user_version`, created with `schema_sql`.
+    pub const fn producer(
+        user_version: i32,
+        schema_sql: &'static str,
+        upgrades: &'static [&'static str],
+    ) -> DbKind {
+        DbKind { name: "producer", application_id: PRODUCER_APPLICATION_ID, user_version, schema_sql, upgrades }
+    }
+
+    /// consumer.db at schema version `user_version`, created with `schema_sql`.
+    pub const fn consumer(
+        user_version: i32,
+        schema_sql: &'static str,
+        upgrades: &'static [&'static str],
+    ) -> DbKind {
+        DbKind { name: "consumer", application_id: CONSUMER_APPLICATION_ID, user_version, schema_sql, upgrades }
+    }
+}
+
 /// Whether a missing or empty file may be created.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OpenMode {
@@ -44,32 +64,78 @@ pub enum OpenMode {
     Existing,
 }
 
-/// Why a database could not be opened.
+/// Why a database could not be opened. Every variant names the file (`path`) and, where it
+/// matters, the [`DbKind::name`] that was expected (`kind`).
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
+    /// SQLite refused to open or set up the file.
     #[error("{path}: {source}")]
-    Sqlite { path: PathBuf, source: rusqlite::Error },
+    Sqlite {
+        /// The file.
+        path: PathBuf,
+        /// SQLite's error.
+        source: rusqlite::Error,
+    },
+    /// The file must exist and does not.
     #[error("{path}: no such file (it is created by the {kind} on its first start)")]
-    Missing { path: PathBuf, kind: &'static str },
+    Missing {
+        /// The file.
+        path: PathBuf,
+        /// The expected kind.
+        kind: &'static str,
+    },
+    /// The file belongs to something else, or to an older schema.
     #[error("{path}: not a {kind} database ({what})")]
-    WrongKind { path: PathBuf, kind: &'static str, what: String },
+    WrongKind {
+        /// The file.
+        path: PathBuf,
+        /// The expected kind.
+        kind: &'static str,
+        /// What the file is instead.
+        what: String,
+    },
+    /// The file was written by a newer build.
     #[error(
         "{path}: {kind} database schema version {found} is newer than this build supports ({supported}); upgrade the binary"
     )]
-    Newer { path: PathBuf, kind: &'static str, found: i32, supported: i32 },
+    Newer {
+        /// The file.
+        path: PathBuf,
+        /// The expected kind.
+        kind: &'static str,
+        /// The file's schema version.
+        found: i32,
+        /// The newest version this build reads.
+        supported: i32,
+    },
+    /// The file exists but its owner never created the schema.
     #[error("{path}: has not been created by the {kind} yet (start the {kind} once first)")]
-    NotInitialised { path: PathBuf, kind: &'static str },
+    NotInitialised {
+        /// The file.
+        path: PathBuf,
+        /// The expected kind.
+        kind: &'static str,
+    },
+    /// The file is missing but its `-wal`/`-shm` remain: it was deleted or moved.
     #[error(
         "{path}: missing, but {leftovers} of a {kind} database that was here remain: it was deleted or \
          moved, and whatever it held is lost from this side. Restore it, or remove these files to start \
          a fresh {kind} database deliberately (a relay then re-sends what the new one lacks)"
     )]
-    Orphaned { path: PathBuf, kind: &'static str, leftovers: String },
+    Orphaned {
+        /// The missing file.
+        path: PathBuf,
+        /// The expected kind.
+        kind: &'static str,
+        /// The sidecar files that remain.
+        leftovers: String,
+    },
 }
 
 /// The settings a connection actually runs with, for the start-up log.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Effective {
+    /// `PRAGMA journal_mode`, e.g. `wal`.
     pub journal_mode: String,
     /// `PRAGMA synchronous` as a name: OFF, NORMAL, FULL or EXTRA.
     pub synchronous: String,
@@ -78,7 +144,6 @@ pub struct Effective {
 /// Opens `path` as a database of `kind` with the shared settings, creating the schema on a
 /// new file in `Create` mode, and refusing a file of another kind or a newer version.
 pub fn open(path: &Path, kind: &DbKind, mode: OpenMode) -> Result<Connection, DbError> {
-    tune_allocation();
     let sqlite = |source| DbError::Sqlite { path: path.to_owned(), source };
     if mode == OpenMode::Existing && !path.exists() {
         return Err(DbError::Missing { path: path.to_owned(), kind: kind.name });
@@ -196,27 +261,19 @@ fn upgrade_schema(conn: &mut Connection, path: &Path, kind: &DbKind) -> Result<(
     Ok(())
 }
 
-/// Process-wide allocation settings, applied once before the first connection. SQLite
-/// keeps no memory statistics (otherwise every allocation takes a global mutex), and glibc
-/// keeps freed memory for reuse instead of handing it back to the kernel after every
-/// transaction: a writer thread allocates and frees page buffers at each commit, and trimming
-/// them each time costs page faults and TLB shootdowns on every following transaction.
-fn tune_allocation() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        // SAFETY: `sqlite3_config` takes an int for this option. Called before SQLite is
-        // initialised it takes effect; afterwards it answers SQLITE_MISUSE and changes
-        // nothing, which is harmless.
-        unsafe {
-            rusqlite::ffi::sqlite3_config(rusqlite::ffi::SQLITE_CONFIG_MEMSTATUS, 0 as std::ffi::c_int);
-        }
-        #[cfg(all(target_os = "linux", target_env = "gnu"))]
-        // SAFETY: mallopt only changes glibc's tuning parameters.
-        unsafe {
-            libc::mallopt(libc::M_TRIM_THRESHOLD, 64 << 20);
-            libc::mallopt(libc::M_MMAP_THRESHOLD, 4 << 20);
-        }
-    });
+/// Opens like [`open`], then logs the file and the settings the connection actually runs
+/// with (the `<kind> database open` start-up line operators and the benchmark read).
+pub fn open_logged(path: &Path, kind: &DbKind, mode: OpenMode) -> Result<Connection, DbError> {
+    let conn = open(path, kind, mode)?;
+    let eff = effective(&conn).map_err(|source| DbError::Sqlite { path: path.to_owned(), source })?;
+    tracing::info!(
+        db = %path.display(),
+        journal_mode = %eff.journal_mode,
+        synchronous = %eff.synchronous,
+        "{} database open",
+        kind.name
+    );
+    Ok(conn)
 }
 
 /// Waits for another connection's write lock for up to [`BUSY_TIMEOUT`], retrying after

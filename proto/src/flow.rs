@@ -7,9 +7,13 @@ use crate::body::{MAX_SAFE_INT, Payload, Scalar};
 /// A flow's state. `New` is implicit: the flow has no row yet.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum FlowState {
+    /// No step yet.
     New,
+    /// After `reserved`: the amount is fixed.
     Reserved,
+    /// After `confirmed`.
     Confirmed,
+    /// After `released`: the flow is finished.
     Released,
 }
 
@@ -58,8 +62,11 @@ impl FlowState {
 /// An event kind: the step it makes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Kind {
+    /// The first step: fixes the amount.
     Reserved,
+    /// The second step.
     Confirmed,
+    /// The last step.
     Released,
 }
 
@@ -92,10 +99,22 @@ impl Kind {
 /// Why a step is not legal.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum TransitionError {
+    /// The step does not lead from the flow's state to the next one.
     #[error("{from} -> {to} is not a legal step (only new->reserved->confirmed->released)")]
-    Illegal { from: &'static str, to: &'static str },
+    Illegal {
+        /// The flow's state.
+        from: &'static str,
+        /// The state the step would lead to.
+        to: &'static str,
+    },
+    /// A later step carries another amount than the reserved one.
     #[error("amount {got} differs from the amount {fixed} fixed by the reserved event")]
-    AmountChanged { fixed: i64, got: i64 },
+    AmountChanged {
+        /// The amount of the `reserved` step.
+        fixed: i64,
+        /// The amount this step carries.
+        got: i64,
+    },
 }
 
 /// Checks that `kind` with `amount` is the legal next step from `from`, whose amount (for
@@ -119,8 +138,11 @@ pub fn check_step(
 /// Why a stored payload cannot be decoded (SPEC §4 decoders).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum DecodeError {
+    /// No decoder for this schema is enabled (the event waits for one that is).
     #[error("schema {0} is not supported by this consumer")]
     UnsupportedSchema(u32),
+    /// The schema is known but the payload does not carry a valid amount (the message says
+    /// which member and why).
     #[error("{0}")]
     InvalidPayload(String),
 }

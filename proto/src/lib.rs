@@ -1,15 +1,13 @@
 //! The `ordered_events.v1` wire contract and everything the producer, relay and consumer
 //! must agree on byte for byte: canonical body, transport limits, the flow state machine,
-//! payload decoders, crash-point names and SQLite connection settings.
+//! payload decoders, crash-point names and SQLite connection settings. The process runtime
+//! the binaries share (serving, authentication, logging) is the `runtime` crate.
 
-pub mod auth;
 pub mod body;
 pub mod crash;
 pub mod db;
 pub mod flow;
-pub mod group;
 pub mod limits;
-pub mod serve;
 
 /// Generated protobuf and gRPC code for `ordered_events.v1`.
 pub mod pb {

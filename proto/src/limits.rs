@@ -30,7 +30,9 @@ pub const MAX_PAYLOAD_TEXT_BYTES: usize = 65_536;
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{field}: {message}")]
 pub struct LimitError {
+    /// The request field, e.g. `flow_id` or `payload_json`.
     pub field: String,
+    /// What is wrong with it, naming the limit.
     pub message: String,
 }
 

@@ -4,7 +4,6 @@
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use producer::store::{self, DeliveryAnswer, OutboxRecord};
 use proto::crash::{CrashPoint, CrashSwitch};
@@ -25,13 +24,6 @@ impl Ledger {
     /// Opens an existing producer.db (the relay never creates one).
     pub fn open(path: &Path, crash: CrashSwitch) -> Result<Ledger, DbError> {
         let conn = store::open(path, OpenMode::Existing)?;
-        let eff = db::effective(&conn).map_err(|source| DbError::Sqlite { path: path.to_owned(), source })?;
-        tracing::info!(
-            db = %path.display(),
-            journal_mode = %eff.journal_mode,
-            synchronous = %eff.synchronous,
-            "producer database open"
-        );
         Ok(Ledger { conn: Arc::new(Mutex::new(conn)), crash, consumer_db: Arc::new(Mutex::new(None)) })
     }
 
@@ -40,14 +32,10 @@ impl Ledger {
         T: Send + 'static,
         F: FnOnce(&mut Connection, CrashSwitch) -> rusqlite::Result<T> + Send + 'static,
     {
-        let conn = Arc::clone(&self.conn);
         let crash = self.crash;
-        tokio::task::spawn_blocking(move || {
-            let mut guard = conn.lock().unwrap_or_else(|p| p.into_inner());
-            f(&mut guard, crash)
-        })
-        .await
-        .unwrap_or_else(|e| Err(rusqlite::Error::ToSqlConversionFailure(Box::new(e))))
+        runtime::blocking::with_locked(&self.conn, move |conn| f(conn, crash))
+            .await
+            .unwrap_or_else(|e| Err(rusqlite::Error::ToSqlConversionFailure(Box::new(e))))
     }
 
     /// Up to `limit` unaccepted rows after `cursor`, in `(flow_id, seq)` order.
@@ -69,10 +57,10 @@ impl Ledger {
     /// `relay.after_mark` (written, not committed) and `relay.after_mark_commit` sit on the
     /// marking path only: a run with no accepted answer reaches neither.
     pub async fn record(&self, answers: Vec<Recorded>) -> rusqlite::Result<()> {
-        let consumer_db = self.consumer_db.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let consumer_db = runtime::blocking::lock(&self.consumer_db).clone();
         self.blocking(move |conn, crash| {
             let tx = db::begin_immediate(conn)?;
-            let now = now_us();
+            let now = runtime::now_us();
             let mut marked = false;
             for answer in &answers {
                 store::record_delivery(&tx, &answer.event_id, answer.answer, now)?;
@@ -120,7 +108,7 @@ impl Ledger {
 
     /// Sets the consumer database the open session talks to.
     pub fn set_consumer(&self, consumer_db: Option<String>) {
-        *self.consumer_db.lock().unwrap_or_else(|p| p.into_inner()) = consumer_db;
+        *runtime::blocking::lock(&self.consumer_db) = consumer_db;
     }
 
     /// In ONE transaction: what `consumer_db` (whose history reaches `highest_position`)
@@ -153,8 +141,4 @@ pub struct Recorded {
     pub answer: DeliveryAnswer,
     /// Where the consumer holds it (its inbox position; 0 when it did not say).
     pub position: u64,
-}
-
-fn now_us() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as i64).unwrap_or(0)
 }

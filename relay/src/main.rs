@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use proto::serve::LogFormat;
+use runtime::serve::LogFormat;
 
 /// Streams unaccepted outbox rows from producer.db into the consumer's Receive RPC and marks
 /// a row accepted only after the consumer answered ACCEPTED or DUPLICATE (it durably holds
@@ -42,7 +42,7 @@ struct Args {
         env = "ORDERED_EVENTS_RELAY_MARK_BATCH",
         value_name = "N",
         default_value_t = relay::DEFAULT_MARK_BATCH,
-        value_parser = proto::group::parse_cap,
+        value_parser = runtime::group::parse_cap,
         global = true
     )]
     mark_batch: usize,
@@ -128,8 +128,9 @@ enum ModeArg {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let args = Args::parse();
-    proto::serve::init_tracing(args.log_format);
-    let shutdown = proto::serve::shutdown_signal();
+    runtime::serve::init_tracing(args.log_format);
+    runtime::alloc::tune_allocation();
+    let shutdown = runtime::serve::shutdown_signal();
     let ended = match config(args) {
         Ok(config) => {
             relay::run(config, shutdown).await.map_err(|e| Failure { code: 1, message: e.to_string() })
@@ -182,7 +183,7 @@ fn config(args: Args) -> Result<relay::Config, Failure> {
         }),
     };
     let token =
-        args.token_file.as_deref().map(proto::auth::read_token).transpose().map_err(Failure::operational)?;
+        args.token_file.as_deref().map(runtime::auth::read_token).transpose().map_err(Failure::operational)?;
     let tls_ca = args
         .tls_ca
         .as_deref()

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use proto::auth::SendToken;
+use runtime::auth::SendToken;
 use proto::pb;
 use proto::pb::consumer_client::ConsumerClient;
 use tokio::sync::mpsc;

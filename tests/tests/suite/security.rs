@@ -151,3 +151,21 @@ async fn relay_over_tls_trusting_a_given_ca() {
     assert_eq!((trusted.code, trusted.outcomes()), (Some(0), vec!["ACCEPTED".to_owned()]), "{trusted:?}");
     assert_eq!(db::inbox(&consumer.db).len(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bearer_scheme_is_case_insensitive() {
+    let work = Workdir::new();
+    let token_file = work.path("token");
+    std::fs::write(&token_file, TOKEN).expect("write token");
+    let producer = Producer::start_with(&work, &["--token-file", &token_file.display().to_string()]);
+    let mut client = producer.client().await;
+    let mut codes = Vec::new();
+    for value in [format!("bearer {TOKEN}"), format!("BEARER {TOKEN}"), "bearer wrong-token".to_owned()] {
+        let mut request = Request::new(pb::GetFlowRequest { flow_id: "T".into() });
+        request.metadata_mut().insert("authorization", value.parse().expect("ascii header"));
+        let answer = client.get_flow(request).await;
+        codes.push((value, answer.err().map_or(Code::Ok, |s| s.code())));
+    }
+    let expected = [Code::Ok, Code::Ok, Code::Unauthenticated];
+    assert_eq!(codes.iter().map(|(_, code)| *code).collect::<Vec<_>>(), expected, "{codes:?}");
+}

@@ -126,15 +126,23 @@ pub struct ServeOptions {
 /// Why the server options cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum OptionsError {
+    /// The token file is unreadable or invalid.
     #[error(transparent)]
     Token(#[from] crate::auth::TokenError),
+    /// A TLS certificate or key file is unreadable.
     #[error("TLS file {path}: {source}")]
-    TlsFile { path: String, source: std::io::Error },
+    TlsFile {
+        /// The certificate or key file.
+        path: String,
+        /// Why reading failed.
+        source: std::io::Error,
+    },
 }
 
 /// [`ServeOptions`] with their files read: what `serve` and the services use.
 #[derive(Clone, Debug)]
 pub struct ServerSettings {
+    /// The flags as given.
     pub options: ServeOptions,
     token: Option<std::sync::Arc<str>>,
     tls: Option<tonic::transport::Identity>,
@@ -157,11 +165,6 @@ impl ServeOptions {
 }
 
 impl ServerSettings {
-    /// Defaults: no token, no TLS (for tests and embedding).
-    pub fn plain(options: ServeOptions) -> ServerSettings {
-        ServerSettings { options, token: None, tls: None }
-    }
-
     /// The interceptor for the ordered_events.v1 services.
     pub fn require_token(&self) -> crate::auth::RequireToken {
         crate::auth::RequireToken::new(self.token.clone())
@@ -212,7 +215,7 @@ where
     // Advertise only what this server serves (the descriptor set holds both services).
     let reflection = || {
         tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(crate::pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(proto::pb::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
             .with_service_name(service_name)
             .with_service_name("grpc.health.v1.Health")

@@ -16,10 +16,22 @@ pub const MAX_TOKEN_BYTES: usize = 4096;
 /// Why a token file cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum TokenError {
+    /// The file cannot be read.
     #[error("token file {path}: {source}")]
-    Read { path: String, source: std::io::Error },
+    Read {
+        /// The token file.
+        path: String,
+        /// Why reading failed.
+        source: std::io::Error,
+    },
+    /// The content is not a usable token.
     #[error("token file {path}: {what}")]
-    Invalid { path: String, what: &'static str },
+    Invalid {
+        /// The token file.
+        path: String,
+        /// What is wrong with its content.
+        what: &'static str,
+    },
 }
 
 /// Reads a token file: its content without the trailing newline; 1..=4096 bytes of
@@ -62,7 +74,7 @@ impl Interceptor for RequireToken {
             .metadata()
             .get("authorization")
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
+            .and_then(bearer_token)
             .unwrap_or("");
         // Constant time over the token's bytes; a length mismatch is refused the same way.
         if bool::from(presented.as_bytes().ct_eq(expected.as_bytes())) {
@@ -71,6 +83,13 @@ impl Interceptor for RequireToken {
             Err(Status::unauthenticated("missing or wrong bearer token (authorization: Bearer <token>)"))
         }
     }
+}
+
+/// The token of an `authorization` value `Bearer <token>`. The scheme name is
+/// case-insensitive (RFC 9110 §11.1): `bearer`, `BEARER` and `Bearer` are the same scheme.
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim_start_matches(' '))
 }
 
 /// Client side: adds `authorization: Bearer <token>` to every call (nothing when `None`).
@@ -115,6 +134,24 @@ mod tests {
         assert!(!check(Some("s3cret"), Some("s3cre")));
         assert!(!check(Some("s3cret"), Some("s3cret!")));
         assert!(!check(Some("s3cret"), Some("S3cret")));
+    }
+
+    #[test]
+    fn the_scheme_is_case_insensitive_and_the_token_is_not() {
+        let call = |value: &str| {
+            let mut server = RequireToken::new(Some(Arc::from("s3cret")));
+            let mut request = Request::new(());
+            request.metadata_mut().insert("authorization", value.parse().unwrap());
+            server.call(request).is_ok()
+        };
+        assert!(call("Bearer s3cret"));
+        assert!(call("bearer s3cret"));
+        assert!(call("BEARER s3cret"));
+        assert!(call("bEaReR s3cret"));
+        assert!(!call("bearer S3CRET"));
+        assert!(!call("Basic s3cret"));
+        assert!(!call("Bearers3cret"));
+        assert!(!call("s3cret"));
     }
 
     #[test]

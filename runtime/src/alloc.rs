@@ -1,0 +1,35 @@
+//! Process-wide allocation settings for a process that writes SQLite: set once at start-up,
+//! before the first connection, by each binary's `main` (through [`crate::process_main`] or
+//! [`tune_allocation`]). They trade a little idle memory for fewer page faults per commit.
+
+/// Applies the allocation settings, once per process (later calls do nothing).
+///
+/// - SQLite keeps no memory statistics: with them on, every allocation takes a global mutex.
+///   This only takes effect before SQLite initialises, which is why it runs at start-up.
+/// - glibc keeps freed memory for reuse instead of handing it back to the kernel after every
+///   transaction (trim threshold 64 MiB, mmap threshold 4 MiB): a writer thread allocates and
+///   frees page buffers at each commit, and trimming them each time costs page faults and TLB
+///   shootdowns on every following transaction. Measured with `bench --flows 2000` on a
+///   shared 2-core machine (three runs each): the same peak RSS with and without
+///   (producer/consumer/relay 10/12/9 MiB), and the producer's CPU per event 42–62 µs with
+///   the setting against 68–85 µs without.
+pub fn tune_allocation() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // Unsafe FFI: neither setting has a safe wrapper.
+        #[allow(unsafe_code)]
+        // SAFETY: `sqlite3_config` takes an int for this option. Called before SQLite is
+        // initialised it takes effect; afterwards it answers SQLITE_MISUSE and changes
+        // nothing, which is harmless.
+        unsafe {
+            rusqlite::ffi::sqlite3_config(rusqlite::ffi::SQLITE_CONFIG_MEMSTATUS, 0 as std::ffi::c_int);
+        }
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        #[allow(unsafe_code)]
+        // SAFETY: mallopt only changes glibc's tuning parameters.
+        unsafe {
+            libc::mallopt(libc::M_TRIM_THRESHOLD, 64 << 20);
+            libc::mallopt(libc::M_MMAP_THRESHOLD, 4 << 20);
+        }
+    });
+}
