@@ -4,6 +4,7 @@
 
 pub mod auth;
 pub mod body;
+pub mod codec;
 pub mod crash;
 pub mod db;
 pub mod flow;
