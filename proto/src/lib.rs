@@ -11,6 +11,7 @@ pub mod flow;
 pub mod group;
 pub mod limits;
 pub mod serve;
+pub mod server_limits;
 
 /// Generated protobuf and gRPC code for `ordered_events.v1`.
 pub mod pb {
