@@ -40,7 +40,8 @@ impl NamedService for ConsumerRoutes {
     const NAME: &'static str = <ConsumerServer<ConsumerService> as NamedService>::NAME;
 }
 
-type RouteFuture = Pin<Box<dyn Future<Output = Result<http::Response<tonic::body::Body>, Infallible>> + Send>>;
+type RouteFuture =
+    Pin<Box<dyn Future<Output = Result<http::Response<tonic::body::Body>, Infallible>> + Send>>;
 
 impl<B> tower_service::Service<http::Request<B>> for ConsumerRoutes
 where
@@ -62,8 +63,9 @@ where
         let method = LenientReceive(self.service.clone());
         let max = self.max_message_bytes;
         Box::pin(async move {
-            let mut grpc = tonic::server::Grpc::new(LenientCodec::<pb::ReceiveResult, pb::EventEnvelope>::default())
-                .max_decoding_message_size(max);
+            let mut grpc =
+                tonic::server::Grpc::new(LenientCodec::<pb::ReceiveResult, pb::EventEnvelope>::default())
+                    .max_decoding_message_size(max);
             Ok(grpc.streaming(method, request).await)
         })
     }

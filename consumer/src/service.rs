@@ -272,7 +272,9 @@ type Answer = Result<pb::ReceiveResult, Status>;
 /// One `Receive` stream's requests: each an envelope, or why its message did not decode;
 /// an `Err` status is a broken stream.
 pub(crate) type Envelopes = std::pin::Pin<
-    Box<dyn futures::Stream<Item = Result<Result<pb::EventEnvelope, proto::codec::Malformed>, Status>> + Send>,
+    Box<
+        dyn futures::Stream<Item = Result<Result<pb::EventEnvelope, proto::codec::Malformed>, Status>> + Send,
+    >,
 >;
 
 /// One `Receive` stream's answers, in envelope order.

@@ -101,7 +101,7 @@ pub struct ServeOptions {
           value_parser = clap::value_parser!(u32).range(1..))]
     pub max_streams: u32,
     /// End a stream that carried no message either way for this many milliseconds, with
-    /// UNAVAILABLE (0: never). A Receive stream's unanswered envelopes are sent again.
+    /// UNAVAILABLE (0: never); a relay sends a Receive stream's unanswered envelopes again.
     #[arg(long, env = "ORDERED_EVENTS_IDLE_STREAM_TIMEOUT_MS", default_value_t = 300_000)]
     pub idle_stream_timeout_ms: u64,
     /// Close a connection that had no open stream for this many milliseconds (0: never).
@@ -253,7 +253,8 @@ where
     if let Some(identity) = &settings.tls {
         builder = builder.tls_config(tonic::transport::ServerTlsConfig::new().identity(identity.clone()))?;
     }
-    let router = builder.layer(limits.stream_layer()).add_service(health).add_service(v1).add_service(v1alpha);
+    let router =
+        builder.layer(limits.stream_layer()).add_service(health).add_service(v1).add_service(v1alpha);
     let router = add(router);
     // An incoming stream of our own makes tonic ignore its `tcp_nodelay` default: set it
     // here, or Nagle's algorithm holds small answers back behind delayed ACKs.

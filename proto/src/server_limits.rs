@@ -53,7 +53,9 @@ impl Limits {
             bounds,
             connections: Arc::new(Semaphore::new(bounds.max_connections)),
             streams: Arc::new(Semaphore::new(bounds.max_streams)),
-            refused_connections: Arc::new(RefusalLog::new("connection refused: the server is at --max-connections")),
+            refused_connections: Arc::new(RefusalLog::new(
+                "connection refused: the server is at --max-connections",
+            )),
             refused_streams: Arc::new(RefusalLog::new(
                 "call refused with RESOURCE_EXHAUSTED: the server is at --max-streams",
             )),
@@ -303,7 +305,11 @@ impl AsyncRead for LimitedConnection {
 }
 
 impl AsyncWrite for LimitedConnection {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
         Pin::new(&mut self.tcp).poll_write(cx, buf)
     }
 
@@ -479,7 +485,10 @@ impl http_body::Body for WatchedRequest {
     type Data = Bytes;
     type Error = BoxError;
 
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         if self.activity.ended.load(Ordering::Acquire) {
             return Poll::Ready(Some(Err(Box::new(idle_status()))));
         }
@@ -530,7 +539,10 @@ impl http_body::Body for GuardedResponse {
     type Data = Bytes;
     type Error = BoxError;
 
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
         let Some(inner) = this.inner.as_mut() else { return Poll::Ready(None) };
         match Pin::new(inner).poll_frame(cx) {

@@ -51,8 +51,10 @@ async fn check(channel: &Channel) -> Result<(), tonic::Status> {
 
 /// A health Watch stream, open once its first answer came.
 async fn watch(channel: &Channel) -> Result<Streaming<HealthCheckResponse>, tonic::Status> {
-    let mut stream =
-        HealthClient::new(channel.clone()).watch(HealthCheckRequest { service: String::new() }).await?.into_inner();
+    let mut stream = HealthClient::new(channel.clone())
+        .watch(HealthCheckRequest { service: String::new() })
+        .await?
+        .into_inner();
     stream.message().await?;
     Ok(stream)
 }
@@ -66,7 +68,8 @@ struct IdleReceive {
 
 async fn idle_receive(channel: &Channel) -> Result<IdleReceive, tonic::Status> {
     let (send, rx) = mpsc::channel(1);
-    let answers = ConsumerClient::new(channel.clone()).receive(with_token(ReceiverStream::new(rx))).await?.into_inner();
+    let answers =
+        ConsumerClient::new(channel.clone()).receive(with_token(ReceiverStream::new(rx))).await?.into_inner();
     Ok(IdleReceive { _send: send, answers })
 }
 
@@ -84,7 +87,9 @@ async fn open_burst(url: &str, connections: usize, per_connection: usize) -> Bur
     for i in 0..connections {
         let channel = channel(url).await.unwrap_or_else(|e| panic!("connection {i}: {e}"));
         for _ in 0..per_connection {
-            burst.receives.push(idle_receive(&channel).await.unwrap_or_else(|e| panic!("Receive on {i}: {e:?}")));
+            burst
+                .receives
+                .push(idle_receive(&channel).await.unwrap_or_else(|e| panic!("Receive on {i}: {e:?}")));
             burst.watches.push(watch(&channel).await.unwrap_or_else(|e| panic!("Watch on {i}: {e:?}")));
         }
         burst.channels.push(channel);
@@ -169,7 +174,9 @@ async fn a_flood_fills_the_caps_exactly_and_memory_returns() {
     }
     // The figures the README states (shown with --nocapture).
     for (round, at_caps, after) in &figures {
-        println!("consumer RSS: before {before} KiB, burst {round}: at caps {at_caps} KiB, after {after} KiB");
+        println!(
+            "consumer RSS: before {before} KiB, burst {round}: at caps {at_caps} KiB, after {after} KiB"
+        );
     }
 }
 
@@ -235,9 +242,14 @@ async fn the_producer_caps_connections_and_streams() {
     let producer = Producer::start_with(&work, &["--max-connections", "1", "--max-streams", "3"]);
     let url = producer.process.url();
     let c = channel(&url).await.expect("connect");
-    let watches = [watch(&c).await.expect("watch 1"), watch(&c).await.expect("watch 2"), watch(&c).await.expect("watch 3")];
+    let watches = [
+        watch(&c).await.expect("watch 1"),
+        watch(&c).await.expect("watch 2"),
+        watch(&c).await.expect("watch 3"),
+    ];
     let mut client = pb::producer_client::ProducerClient::new(c.clone());
-    let refused = client.advance(harness::advance("P", "P1", 0, "reserved", 1)).await.expect_err("over the cap");
+    let refused =
+        client.advance(harness::advance("P", "P1", 0, "reserved", 1)).await.expect_err("over the cap");
     assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
     let second = match channel(&url).await {
         Ok(extra) => check(&extra).await.expect_err("a second connection over --max-connections 1"),

@@ -7,8 +7,8 @@ use std::marker::PhantomData;
 
 use bytes::BufMut as _;
 use harness::{Consumer, Producer, Workdir, advance, envelope};
-use proto::pb::{self, ReceiveOutcome};
 use prost::Message as _;
+use proto::pb::{self, ReceiveOutcome};
 use tonic::Code;
 use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use tonic::codegen::http::uri::PathAndQuery;
@@ -163,7 +163,11 @@ async fn malformed_envelopes_are_rejected_in_band_and_the_stream_goes_on() {
         assert!(answer.detail.contains("malformed EventEnvelope message"), "{what}: {answer:?}");
     }
     let last = got.last().expect("answers");
-    assert_eq!(last.outcome, ReceiveOutcome::Accepted as i32, "the good envelope after the bad ones: {last:?}");
+    assert_eq!(
+        last.outcome,
+        ReceiveOutcome::Accepted as i32,
+        "the good envelope after the bad ones: {last:?}"
+    );
     assert_eq!(last.event_id, good.event_id);
     let flow = consumer.get_flow("G").await;
     assert_eq!(flow.inbox.len(), 1, "only the good envelope is stored: {flow:?}");
