@@ -180,8 +180,8 @@ impl ConsumerService {
 
     /// Reads envelopes in order: a message that does not decode or an envelope that breaks a
     /// transport limit is answered `REJECTED` at once (nothing stored), everything else goes
-    /// to the writer. Stops at the client's
-    /// half-close, a broken request stream, a failed stream, or shutdown.
+    /// to the writer. Stops at the client's half-close, a broken request stream, a failed
+    /// stream, or shutdown.
     async fn read_stream(
         self,
         mut inbound: Envelopes,
