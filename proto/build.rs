@@ -12,7 +12,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let fds = protox::compile(files, ["proto"])?;
     let out = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
     std::fs::write(out.join("ordered_events_descriptor.bin"), fds.encode_to_vec())?;
-    tonic_prost_build::configure().compile_fds(fds)?;
+    // Our codec answers a message that does not decode INVALID_ARGUMENT (the sender's fault),
+    // where tonic_prost's says INTERNAL, which this project keeps for storage failures.
+    tonic_prost_build::configure().codec_path("crate::codec::WireCodec").compile_fds(fds)?;
     println!("cargo:rerun-if-changed=proto");
     Ok(())
 }

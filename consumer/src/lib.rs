@@ -5,6 +5,7 @@
 pub mod apply;
 pub mod receive;
 pub mod request;
+pub mod routes;
 pub mod rules;
 pub mod service;
 pub mod storage;

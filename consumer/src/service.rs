@@ -15,6 +15,7 @@ use runtime::blocking::{with_locked, with_shared};
 use rusqlite::Connection;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot, watch};
+use tokio_stream::StreamExt as _;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -115,13 +116,21 @@ impl ConsumerService {
         Ok(ConsumerService { conn, opts, writer, stopping: Arc::new(watch::channel(false).0), storage })
     }
 
+    /// Starts answering one `Receive` stream's envelopes; the answers come out of the
+    /// returned stream, in order.
+    pub(crate) fn receive_envelopes(&self, inbound: Envelopes) -> ReceiveAnswers {
+        let (answers, stream) = mpsc::channel(RECEIVE_BUFFER);
+        tokio::spawn(self.clone().answer_stream(inbound, answers));
+        ReceiverStream::new(stream)
+    }
+
     /// Answers `inbound`'s envelopes in read order until the client half-closes: a reader
     /// task queues every envelope for the writer without waiting for earlier answers (so a
     /// whole window shares a commit), and this loop sends each answer once its commit is
     /// done. Stops after the first storage failure (sent as the stream's error status, after
     /// every committed envelope before it was answered), when the client goes away, or at
     /// shutdown (after answering everything read).
-    async fn answer_stream(self, inbound: Streaming<pb::EventEnvelope>, answers: mpsc::Sender<Answer>) {
+    async fn answer_stream(self, inbound: Envelopes, answers: mpsc::Sender<Answer>) {
         let stream = Arc::new(StreamState::default());
         let (queue, mut pending) = mpsc::channel(STREAM_IN_FLIGHT);
         tokio::spawn(self.read_stream(inbound, queue, Arc::clone(&stream)));
@@ -147,12 +156,13 @@ impl ConsumerService {
         }
     }
 
-    /// Reads envelopes in order: a transport-limit violation is answered `REJECTED` at once
-    /// (nothing stored), everything else goes to the writer. Stops at the client's
-    /// half-close, a broken request stream, a failed stream, or shutdown.
+    /// Reads envelopes in order: a message that does not decode or an envelope that breaks a
+    /// transport limit is answered `REJECTED` at once (nothing stored), everything else goes
+    /// to the writer. Stops at the client's half-close, a broken request stream, a failed
+    /// stream, or shutdown.
     async fn read_stream(
         self,
-        mut inbound: Streaming<pb::EventEnvelope>,
+        mut inbound: Envelopes,
         queue: mpsc::Sender<Pending>,
         stream: Arc<StreamState>,
     ) {
@@ -165,12 +175,25 @@ impl ConsumerService {
                     tracing::info!("shutting down: ending a Receive stream; every envelope read is answered");
                     return;
                 }
-                message = inbound.message() => match message {
-                    Ok(Some(envelope)) => envelope,
-                    Ok(None) => return,
-                    Err(status) => {
-                        // The request stream is broken (reset, or a message that does not
-                        // decode): nothing more can be read, so nothing more is answered.
+                message = inbound.next() => match message {
+                    Some(Ok(Ok(envelope))) => envelope,
+                    Some(Ok(Err(malformed))) => {
+                        // The framing is intact, so the next message can still be read.
+                        let rejected = pb::ReceiveResult {
+                            event_id: String::new(),
+                            outcome: pb::ReceiveOutcome::Rejected as i32,
+                            detail: malformed.to_string(),
+                            inbox_position: 0,
+                        };
+                        if queue.send(Pending::Ready(Ok(rejected))).await.is_err() {
+                            return;
+                        }
+                        continue;
+                    }
+                    None => return,
+                    Some(Err(status)) => {
+                        // The request stream is broken (reset, or a broken frame): nothing
+                        // more can be read, so nothing more is answered.
                         tracing::debug!(%status, "Receive request stream failed");
                         let _ = queue.send(Pending::Ready(Err(status))).await;
                         return;
@@ -232,6 +255,17 @@ fn receive_result(event: EventRef, received: &Received) -> pb::ReceiveResult {
 
 type Answer = Result<pb::ReceiveResult, Status>;
 
+/// One `Receive` stream's requests: each an envelope, or why its message did not decode;
+/// an `Err` status is a broken stream.
+pub(crate) type Envelopes = std::pin::Pin<
+    Box<
+        dyn futures::Stream<Item = Result<Result<pb::EventEnvelope, proto::codec::Malformed>, Status>> + Send,
+    >,
+>;
+
+/// One `Receive` stream's answers, in envelope order.
+pub type ReceiveAnswers = ReceiverStream<Answer>;
+
 /// Serves the consumer on `listener` until `shutdown` completes; open `Receive` streams then
 /// end after answering what they read, and in-flight calls drain.
 pub async fn run(
@@ -246,8 +280,7 @@ pub async fn run(
         shutdown.await;
         stopping.send_replace(true);
     };
-    let svc = pb::consumer_server::ConsumerServer::new(service)
-        .max_decoding_message_size(settings.max_message_bytes());
+    let svc = crate::routes::ConsumerRoutes::new(service, settings.max_message_bytes());
     runtime::serve_authenticated(listener, svc, shutdown, settings, Some(storage)).await
 }
 
@@ -356,15 +389,16 @@ fn effect_pb(e: EffectRecord) -> pb::EffectRow {
 
 #[tonic::async_trait]
 impl pb::consumer_server::Consumer for ConsumerService {
-    type ReceiveStream = ReceiverStream<Answer>;
+    type ReceiveStream = ReceiveAnswers;
 
+    /// Served by `routes::ConsumerRoutes` with the lenient codec; this strict form (every
+    /// envelope decoded) serves whoever embeds the generated server directly.
     async fn receive(
         &self,
         request: Request<Streaming<pb::EventEnvelope>>,
     ) -> Result<Response<Self::ReceiveStream>, Status> {
-        let (answers, stream) = mpsc::channel(RECEIVE_BUFFER);
-        tokio::spawn(self.clone().answer_stream(request.into_inner(), answers));
-        Ok(Response::new(ReceiverStream::new(stream)))
+        let inbound: Envelopes = Box::pin(request.into_inner().map(|message| message.map(Ok)));
+        Ok(Response::new(self.receive_envelopes(inbound)))
     }
 
     async fn apply(&self, request: Request<pb::ApplyRequest>) -> Result<Response<pb::ApplyResult>, Status> {

@@ -4,6 +4,7 @@
 //! the binaries share (serving, authentication, logging) is the `runtime` crate.
 
 pub mod body;
+pub mod codec;
 pub mod crash;
 pub mod db;
 pub mod flow;

@@ -33,3 +33,19 @@ pub fn tune_allocation() {
         }
     });
 }
+
+/// `malloc_trim(0)`: returns every whole free page of every glibc arena to the kernel (the
+/// trim threshold above keeps them otherwise); the servers call it once a burst of
+/// connections is over (`server_limits`). True when memory was returned.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+pub fn release_free_memory() -> bool {
+    // Unsafe FFI: glibc's malloc_trim has no safe wrapper.
+    #[allow(unsafe_code)]
+    // SAFETY: malloc_trim only walks glibc's own arenas under their locks.
+    unsafe { libc::malloc_trim(0) == 1 }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+pub fn release_free_memory() -> bool {
+    false
+}

@@ -10,6 +10,7 @@ pub mod blocking;
 pub mod group;
 pub mod process;
 pub mod serve;
+pub mod server_limits;
 
 pub use process::{
     OpenError, ServeError, ServerFlags, Shutdown, process_main, run_server, serve_authenticated,

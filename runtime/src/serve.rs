@@ -90,6 +90,23 @@ pub struct ServeOptions {
     #[arg(long, env = "ORDERED_EVENTS_MAX_CONCURRENT_STREAMS", default_value_t = 256,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub max_concurrent_streams: u32,
+    /// Connections open at once; a connection over the cap is closed as soon as it is
+    /// accepted (refusals are logged at most every 10 s).
+    #[arg(long, env = "ORDERED_EVENTS_MAX_CONNECTIONS", default_value_t = 256,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections: u32,
+    /// Streams (calls in progress, health Watch and reflection included) open at once over
+    /// all connections; a call over the cap is RESOURCE_EXHAUSTED and does not run.
+    #[arg(long, env = "ORDERED_EVENTS_MAX_STREAMS", default_value_t = 1024,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_streams: u32,
+    /// End a stream that carried no message either way for this many milliseconds, with
+    /// UNAVAILABLE (0: never); a relay sends a Receive stream's unanswered envelopes again.
+    #[arg(long, env = "ORDERED_EVENTS_IDLE_STREAM_TIMEOUT_MS", default_value_t = 300_000)]
+    pub idle_stream_timeout_ms: u64,
+    /// Close a connection that had no open stream for this many milliseconds (0: never).
+    #[arg(long, env = "ORDERED_EVENTS_IDLE_CONNECTION_TIMEOUT_MS", default_value_t = 300_000)]
+    pub idle_connection_timeout_ms: u64,
     /// Requests served at once per connection; more wait their turn.
     #[arg(long, env = "ORDERED_EVENTS_CONCURRENCY_LIMIT", default_value_t = 256,
           value_parser = clap::value_parser!(u32).range(1..))]
@@ -170,11 +187,27 @@ impl ServerSettings {
         crate::auth::RequireToken::new(self.token.clone())
     }
 
+    /// The caps and timeouts of [`crate::server_limits`].
+    pub fn bounds(&self) -> crate::server_limits::Bounds {
+        let opts = &self.options;
+        let millis = |ms: u64| (ms > 0).then(|| Duration::from_millis(ms));
+        crate::server_limits::Bounds {
+            max_connections: opts.max_connections as usize,
+            max_streams: opts.max_streams as usize,
+            idle_stream: millis(opts.idle_stream_timeout_ms),
+            idle_connection: millis(opts.idle_connection_timeout_ms),
+        }
+    }
+
     /// The largest decoded message, for the generated servers.
     pub fn max_message_bytes(&self) -> usize {
         self.options.max_message_bytes as usize
     }
 }
+
+/// The router `serve` hands to its caller: every service behind the stream cap.
+pub type LimitedRouter =
+    Router<tower_layer::Stack<crate::server_limits::StreamCapLayer, tower_layer::Identity>>;
 
 /// Serves `add(router)` on `listener` beside health (for "" and `service_name`) and both
 /// reflection versions, with the limits, TLS and grace of `settings`, until `shutdown`
@@ -183,7 +216,7 @@ impl ServerSettings {
 pub async fn serve<F>(
     listener: TcpListener,
     service_name: &'static str,
-    add: impl FnOnce(Router) -> Router,
+    add: impl FnOnce(LimitedRouter) -> LimitedRouter,
     shutdown: F,
     settings: &ServerSettings,
 ) -> Result<(), tonic::transport::Error>
@@ -198,7 +231,7 @@ where
 pub async fn serve_with_health<F>(
     listener: TcpListener,
     service_name: &'static str,
-    add: impl FnOnce(Router) -> Router,
+    add: impl FnOnce(LimitedRouter) -> LimitedRouter,
     shutdown: F,
     settings: &ServerSettings,
     storage: Option<tokio::sync::watch::Receiver<bool>>,
@@ -231,6 +264,7 @@ where
         .expect("the compiled-in descriptor sets are valid");
     let keepalive =
         (opts.keepalive_interval_ms > 0).then(|| Duration::from_millis(opts.keepalive_interval_ms));
+    let limits = crate::server_limits::Limits::new(settings.bounds());
     let mut builder = Server::builder()
         .max_concurrent_streams(opts.max_concurrent_streams)
         .concurrency_limit_per_connection(opts.concurrency_limit as usize)
@@ -240,11 +274,14 @@ where
     if let Some(identity) = &settings.tls {
         builder = builder.tls_config(tonic::transport::ServerTlsConfig::new().identity(identity.clone()))?;
     }
-    let router = builder.add_service(health).add_service(v1).add_service(v1alpha);
+    let router =
+        builder.layer(limits.stream_layer()).add_service(health).add_service(v1).add_service(v1alpha);
     let router = add(router);
     // An incoming stream of our own makes tonic ignore its `tcp_nodelay` default: set it
     // here, or Nagle's algorithm holds small answers back behind delayed ACKs.
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    let incoming = limits.limit_connections(incoming);
+    let trimmer = limits.spawn_trimmer();
     let (stopping_tx, stopping_rx) = tokio::sync::oneshot::channel::<()>();
     let served = router.serve_with_incoming_shutdown(incoming, async move {
         shutdown.await;
@@ -263,13 +300,15 @@ where
             std::future::pending::<()>().await;
         }
     };
-    tokio::select! {
+    let result = tokio::select! {
         result = served => result,
         () = grace_over => {
             tracing::warn!(grace = ?grace, "grace period over; dropping the connections still open");
             Ok(())
         }
-    }
+    };
+    trimmer.abort();
+    result
 }
 
 /// Sets health (for "" and `service_name`) from each change of `storage`.

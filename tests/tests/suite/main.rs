@@ -9,6 +9,8 @@ mod consumer;
 mod consumer_crash;
 mod consumer_race;
 mod hostile;
+mod limits;
+mod malformed;
 mod model;
 mod producer;
 mod relay;
