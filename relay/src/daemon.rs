@@ -41,6 +41,11 @@ struct Waiting {
     outcome: String,
 }
 
+/// An idle `Receive` stream is closed (and a new one opened when rows come) after this
+/// long: well inside the consumer's default idle-stream timeout (5 minutes), which would
+/// otherwise end it and make the next send look like a link failure.
+const RENEW_IDLE_STREAM: Duration = Duration::from_secs(60);
+
 /// Runs passes until `stop`; in-flight answers are recorded first (within the grace).
 pub async fn run(
     config: &Config,
@@ -95,6 +100,10 @@ pub async fn run(
                         session = None;
                         pause(reconnect.next_wait(), stop).await;
                         continue;
+                    }
+                    if active.idle_for() >= RENEW_IDLE_STREAM {
+                        tracing::debug!("stream idle; closing it before the consumer's idle timeout does");
+                        session = None;
                     }
                     pause(settings.poll_interval, stop).await;
                 }

@@ -25,6 +25,8 @@ pub struct Session {
     channel: Channel,
     /// When the consumer's identity was last checked.
     identified_at: Instant,
+    /// When an envelope was last handed to the stream (or the stream opened).
+    last_sent: Instant,
 }
 
 impl Session {
@@ -48,7 +50,7 @@ impl Session {
             .await
             .map_err(|_| RelayError::Unresponsive(link.answer_timeout))?;
         let answers = opened.map_err(|s| RelayError::Stream(s.to_string()))?.into_inner();
-        Ok(Session { outbound, answers, channel, identified_at: Instant::now() })
+        Ok(Session { outbound, answers, channel, identified_at: Instant::now(), last_sent: Instant::now() })
     }
 
     /// While idle (`run`): checks the consumer's identity again, at most once per
@@ -64,8 +66,16 @@ impl Session {
     }
 
     /// Hands one envelope to the stream (never blocks while fewer than `window` are in flight).
-    pub async fn send(&self, envelope: pb::EventEnvelope) -> Result<(), RelayError> {
+    pub async fn send(&mut self, envelope: pb::EventEnvelope) -> Result<(), RelayError> {
+        self.last_sent = Instant::now();
         self.outbound.send(envelope).await.map_err(|_| RelayError::Stream("the stream closed".into()))
+    }
+
+    /// How long the stream has carried nothing. The consumer ends a stream idle for longer
+    /// than its `--idle-stream-timeout-ms`, so `run` renews an idle one before that happens
+    /// instead of finding it ended (and warning) on the next send.
+    pub fn idle_for(&self) -> std::time::Duration {
+        self.last_sent.elapsed()
     }
 
     /// The next answer. Cancel-safe (`Streaming::message` keeps a partial message buffered),
