@@ -8,6 +8,7 @@
 use std::sync::{Mutex, MutexGuard};
 
 use proto::body::Event;
+use proto::batches::BatchSizes;
 use proto::crash::{CrashPoint, CrashSwitch};
 use proto::db::{self, StepFailure};
 use rusqlite::{Connection, Transaction};
@@ -142,6 +143,9 @@ enum Progress {
     Stopped { stop: Stop, projection: Projection, wrote: bool },
 }
 
+/// Steps per committed apply transaction, logged at shutdown.
+static APPLY_BATCHES: BatchSizes = BatchSizes::new("apply");
+
 /// Applies each of `flows` in turn, up to `max_steps` each, with consecutive steps of many
 /// flows in one `BEGIN IMMEDIATE` transaction of up to `opts.max_batch` steps. Each step is
 /// its own savepoint: a failing step rolls back alone and fails only its flow (the others'
@@ -230,6 +234,9 @@ pub fn apply_flows(
         drop(guard);
         match finished {
             Ok(()) => {
+                if applied_any {
+                    APPLY_BATCHES.record(runs.iter().map(|r| r.pending.len()).sum());
+                }
                 for run in &mut runs {
                     let pending = std::mem::take(&mut run.pending);
                     run.committed.extend(pending);

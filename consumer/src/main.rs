@@ -111,5 +111,6 @@ async fn run(args: Args) -> anyhow::Result<()> {
     tracing::info!(%addr, "consumer serving");
     consumer::run(service, listener, shutdown, &settings).await?;
     tracing::info!("consumer stopped");
+    proto::batches::log_all();
     Ok(())
 }

@@ -60,6 +60,9 @@ pub struct WriterOptions {
     pub admission: store::Admission,
 }
 
+/// Envelopes per Receive batch (one transaction each), logged at shutdown.
+static RECEIVE_BATCHES: proto::batches::BatchSizes = proto::batches::BatchSizes::new("receive");
+
 /// Starts the writer thread. In auto-apply mode it first applies whatever earlier runs left
 /// accepted but unapplied (a crash between a Receive commit and its apply, say).
 pub fn spawn(conn: Arc<Mutex<Connection>>, opts: WriterOptions) -> std::io::Result<mpsc::Sender<ReceiveJob>> {
@@ -75,6 +78,7 @@ pub fn spawn(conn: Arc<Mutex<Connection>>, opts: WriterOptions) -> std::io::Resu
         let results = receive_batch(&mut apply::lock(&conn), &jobs, &opts.apply.crash, opts.admission);
         let committed = started.elapsed();
         let batch_len = jobs.len();
+        RECEIVE_BATCHES.record(batch_len);
         let mut touched = BTreeSet::new();
         for (job, result) in jobs.into_iter().zip(results) {
             if matches!(result, Ok(ReceiveOutcome::Accepted | ReceiveOutcome::Duplicate)) {

@@ -71,5 +71,6 @@ async fn run(args: Args) -> anyhow::Result<()> {
     tracing::info!(%addr, "producer serving");
     producer::run(service, listener, shutdown, &settings).await?;
     tracing::info!("producer stopped");
+    proto::batches::log_all();
     Ok(())
 }

@@ -5,6 +5,7 @@
 
 use std::sync::{Arc, Mutex};
 
+use proto::batches::BatchSizes;
 use proto::crash::{CrashPoint, CrashSwitch};
 use proto::db::{self, StepFailure, storage_status};
 use rusqlite::Connection;
@@ -13,6 +14,9 @@ use tonic::Status;
 
 use crate::request::AdvanceCommand;
 use crate::store::{self, AdvanceOutcome, AdvanceReply};
+
+/// Calls per `Advance` batch (one transaction each), logged at shutdown.
+static ADVANCE_BATCHES: BatchSizes = BatchSizes::new("advance");
 
 /// One queued `Advance` and where its answer goes.
 pub struct AdvanceJob {
@@ -40,6 +44,7 @@ pub fn spawn(
                 let mut guard = conn.lock().unwrap_or_else(|p| p.into_inner());
                 advance_batch(&mut guard, &cmds, &crash, max_unaccepted)
             };
+            ADVANCE_BATCHES.record(cmds.len());
             tracing::debug!(calls = cmds.len(), us = started.elapsed().as_micros() as u64, "advance batch");
             for (reply, result) in replies.into_iter().zip(results) {
                 // The caller may have gone away (deadline, disconnect); its answer is moot.

@@ -3,6 +3,7 @@
 //! payload decoders, crash-point names and SQLite connection settings.
 
 pub mod auth;
+pub mod batches;
 pub mod body;
 pub mod crash;
 pub mod db;

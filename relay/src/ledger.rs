@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use producer::store::{self, DeliveryAnswer, OutboxRecord};
+use proto::batches::BatchSizes;
 use proto::crash::{CrashPoint, CrashSwitch};
 use proto::db::{self, DbError, OpenMode};
 use rusqlite::Connection;
@@ -78,6 +79,7 @@ impl Ledger {
                 crash.reach(CrashPoint::RelayAfterMark);
             }
             tx.commit()?;
+            MARK_BATCHES.record(answers.len());
             tracing::debug!(answers = answers.len(), "answers recorded");
             if marked {
                 crash.reach(CrashPoint::RelayAfterMarkCommit);
@@ -103,6 +105,9 @@ impl Ledger {
         .await
     }
 }
+
+/// Answers per recorded-answers (mark) transaction, logged at shutdown.
+static MARK_BATCHES: BatchSizes = BatchSizes::new("mark");
 
 /// One answer to record on its outbox row.
 #[derive(Clone, Debug)]

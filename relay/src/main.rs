@@ -136,6 +136,7 @@ async fn main() -> ExitCode {
         }
         Err(failure) => Err(failure),
     };
+    proto::batches::log_all();
     // The one exit path: a code, or one `relay: error:` line and its code.
     match ended {
         Ok(code) => ExitCode::from(code),

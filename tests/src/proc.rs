@@ -84,8 +84,20 @@ impl ServerProcess {
         log: PathBuf,
         deadline: Duration,
     ) -> Result<ServerProcess, String> {
+        Self::try_start_command(Command::new(bin_path(bin)), bin, args, env, log, deadline)
+    }
+
+    /// [`ServerProcess::try_start`] of a command the caller built (`program` and its leading
+    /// arguments, e.g. a binary run under `valgrind`); `bin` names it in messages.
+    pub fn try_start_command(
+        mut cmd: Command,
+        bin: &str,
+        args: &[String],
+        env: &[(&str, &str)],
+        log: PathBuf,
+        deadline: Duration,
+    ) -> Result<ServerProcess, String> {
         let err = std::fs::File::create(&log).map_err(|e| format!("create {}: {e}", log.display()))?;
-        let mut cmd = Command::new(bin_path(bin));
         cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(err);
         strip_ours(&mut cmd);
         cmd.env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()));
