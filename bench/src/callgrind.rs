@@ -63,10 +63,28 @@ pub fn table(doc: &Value) -> String {
     );
     for r in doc["runs"].as_array().into_iter().flatten() {
         let c = &r["config"];
+        let load = match c["load"]["kind"].as_str() {
+            Some("closed") => format!("closed loop, {} clients", c["load"]["clients"]),
+            _ => format!("open loop, {} calls/s", c["load"]["calls_per_s"]),
+        };
         let _ = writeln!(
             out,
-            "{} events ({} flows × 3), {:?}, caps {}, verified={}",
-            c["events"], c["flows"], c["load"], c["caps"], r["verified"]["ok"]
+            "{} events ({} flows × 3), {load}, caps {}, verified={}",
+            c["events"], c["flows"], c["caps"], r["verified"]["ok"]
+        );
+        let summary = &r["relay"]["summary"];
+        let received = r["batch_sizes"]["consumer"]["receive"]["items"].as_u64();
+        let _ = writeln!(
+            out,
+            "relay sent {} envelopes, answers {}; consumer received {} envelopes{}",
+            summary["sent"],
+            summary["counts"],
+            received.map_or("?".into(), |n| n.to_string()),
+            match (received, c["events"].as_u64()) {
+                (Some(got), Some(events)) if got != events =>
+                    " — NOT one per event: resends are counted as work (see the relay's log with --keep)",
+                _ => "",
+            }
         );
         let cg = &r["callgrind"];
         let _ = writeln!(out, "{:<10} {:>16} {:>14}", "process", "instructions", "per event");

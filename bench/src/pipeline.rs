@@ -73,6 +73,14 @@ impl Launcher {
         Duration::from_secs(if self.callgrind { 600 } else { 60 })
     }
 
+    /// The relay's environment: under callgrind every process runs ~50× slower, so the
+    /// relay waits up to an hour for an answer instead of dropping the stream after 10 s and
+    /// sending the window again (which would count resends as work per event). An
+    /// environment variable, not a flag, so that builds without the setting still start.
+    fn relay_env(&self) -> &'static [(&'static str, &'static str)] {
+        if self.callgrind { &[("ORDERED_EVENTS_RELAY_ANSWER_TIMEOUT_MS", "3600000")] } else { &[] }
+    }
+
     fn binary(&self, name: &str) -> anyhow::Result<PathBuf> {
         match &self.bin_dir {
             None => Ok(harness::proc::bin_path(name)),
@@ -225,7 +233,7 @@ impl Pipeline {
                 "--mark-delay-ms",
                 &caps.mark_delay_ms.to_string(),
             ],
-            &[],
+            launcher.relay_env(),
         );
         Ok(Pipeline { dir: dir.to_owned(), producer, consumer, relay, stop_deadline: launcher.stop_deadline() })
     }
