@@ -235,7 +235,13 @@ impl Pipeline {
             ],
             launcher.relay_env(),
         );
-        Ok(Pipeline { dir: dir.to_owned(), producer, consumer, relay, stop_deadline: launcher.stop_deadline() })
+        Ok(Pipeline {
+            dir: dir.to_owned(),
+            producer,
+            consumer,
+            relay,
+            stop_deadline: launcher.stop_deadline(),
+        })
     }
 
     pub fn producer_db(&self) -> PathBuf {
@@ -298,7 +304,9 @@ pub fn batch_sizes(log: &str) -> serde_json::Value {
     let mut writers = serde_json::Map::new();
     for line in log.lines().filter(|l| l.contains(" batch sizes ")) {
         let fields = key_values(line.split_once(" batch sizes ").map_or("", |(_, rest)| rest));
-        let Some(writer) = fields.iter().find(|(k, _)| k == "writer").map(|(_, v)| v.clone()) else { continue };
+        let Some(writer) = fields.iter().find(|(k, _)| k == "writer").map(|(_, v)| v.clone()) else {
+            continue;
+        };
         let entry: serde_json::Map<String, serde_json::Value> = fields
             .into_iter()
             .filter(|(k, _)| k != "writer")

@@ -7,8 +7,8 @@
 
 use std::sync::{Mutex, MutexGuard};
 
-use proto::body::Event;
 use proto::batches::BatchSizes;
+use proto::body::Event;
 use proto::crash::{CrashPoint, CrashSwitch};
 use proto::db::{self, StepFailure};
 use rusqlite::{Connection, Transaction};
