@@ -2,8 +2,11 @@
 //! consumer (`--auto-apply`) and relay (`run`) on fresh files with `synchronous=FULL`,
 //! drives N flows × 3 steps through `Advance` (closed loop from C clients, or open loop at a
 //! rate), waits until the last event is applied, and reports what the processes' own tables
-//! and `/proc` say, as JSON and as a table. Build first: `cargo build --release --bins`.
+//! and `/proc` say, as JSON and as a table. With `--callgrind` it runs the three under
+//! callgrind instead and reports instructions per event. Build first:
+//! `cargo build --release --bins`.
 
+mod callgrind;
 mod load;
 mod measure;
 mod pipeline;
@@ -17,20 +20,23 @@ use clap::Parser;
 use serde_json::{Value, json};
 
 use crate::load::Load;
-use crate::pipeline::{Caps, Pipeline};
+use crate::pipeline::{Caps, Launcher, Pipeline};
 
 /// Measures the pipeline end to end: Advance → committed → relayed → accepted → applied.
 ///
 /// Each run gets fresh database files in its own directory and its own three processes.
 /// The main run is closed loop (or open loop with --rate); --half-rate adds an open-loop run
 /// at half the main run's end-to-end rate (latency at that rate); --compare-batch-1 adds the
-/// same pipeline with every batch cap set to 1 and prints the ratio.
+/// same pipeline with every batch cap set to 1 and prints the ratio. --callgrind runs the
+/// main run only, each process under `valgrind --tool=callgrind`, and reports instructions
+/// per event per process and in total, with the batch sizes the writers had.
 #[derive(Debug, Parser)]
 #[command(name = "bench", version)]
 struct Args {
-    /// Flows to drive, each through its three steps (reserved, confirmed, released).
-    #[arg(long, default_value_t = 10_000)]
-    flows: usize,
+    /// Flows to drive, each through its three steps (reserved, confirmed, released)
+    /// [default: 10000, or 2000 with --callgrind].
+    #[arg(long)]
+    flows: Option<usize>,
     /// Concurrent Advance callers in a closed-loop run (each waits for its answer).
     #[arg(long, default_value_t = 64)]
     clients: usize,
@@ -85,6 +91,24 @@ struct Args {
     /// Give up waiting for a run to finish after this many seconds.
     #[arg(long, default_value_t = 900)]
     timeout_s: u64,
+    /// Run producer, consumer and relay each under `valgrind --tool=callgrind` (one run, the
+    /// main one) and report instructions per event: the figure to compare across commits.
+    #[arg(long, conflicts_with_all = ["half_rate", "compare_batch_1"])]
+    callgrind: bool,
+    /// Take `producer`, `consumer` and `relay` from this directory (e.g. another checkout's
+    /// `target/release`) instead of this checkout's `target/release`.
+    #[arg(long, value_name = "DIR")]
+    bin_dir: Option<PathBuf>,
+}
+
+impl Args {
+    fn flows(&self) -> usize {
+        self.flows.unwrap_or(if self.callgrind { 2_000 } else { 10_000 })
+    }
+
+    fn launcher(&self) -> Launcher {
+        Launcher { bin_dir: self.bin_dir.clone(), callgrind: self.callgrind }
+    }
 }
 
 /// One run to do.
@@ -108,7 +132,7 @@ async fn main() -> ExitCode {
 }
 
 async fn bench(args: Args) -> anyhow::Result<ExitCode> {
-    anyhow::ensure!(args.flows > 0 && args.clients > 0, "--flows and --clients must be at least 1");
+    anyhow::ensure!(args.flows() > 0 && args.clients > 0, "--flows and --clients must be at least 1");
     let base = args.dir.clone().unwrap_or_else(std::env::temp_dir);
     std::fs::create_dir_all(&base)?;
     let caps = Caps {
@@ -126,14 +150,14 @@ async fn bench(args: Args) -> anyhow::Result<ExitCode> {
     };
     let started = report::machine(&base);
     let mut runs: Vec<Value> = Vec::new();
-    let main = RunSpec { label: "grouped", flows: args.flows, load: main_load, caps: caps.clone() };
+    let main = RunSpec { label: "grouped", flows: args.flows(), load: main_load, caps: caps.clone() };
     let main_result = run_one(&args, &base, &main).await?;
     let main_e2e = main_result["end_to_end"]["events_per_s"].as_f64().unwrap_or(0.0);
     runs.push(main_result);
     if args.half_rate {
         let half = RunSpec {
             label: "grouped-half-rate",
-            flows: args.flows,
+            flows: args.flows(),
             load: Load::Open { calls_per_s: (main_e2e / 2.0).max(1.0) },
             caps: caps.clone(),
         };
@@ -142,14 +166,14 @@ async fn bench(args: Args) -> anyhow::Result<ExitCode> {
     if args.compare_batch_1 {
         let one = RunSpec {
             label: "batch-1",
-            flows: args.batch_1_flows.unwrap_or(args.flows),
+            flows: args.batch_1_flows.unwrap_or(args.flows()),
             load: main_load,
             caps: caps.batch_1(),
         };
         runs.push(run_one(&args, &base, &one).await?);
     }
     let doc = report::document(started, &args_json(&args), runs);
-    let table = report::table(&doc);
+    let table = if args.callgrind { callgrind::table(&doc) } else { report::table(&doc) };
     match args.output.as_deref() {
         Some(p) if p.as_os_str() == "-" => {
             println!("{}", serde_json::to_string_pretty(&doc)?);
@@ -169,7 +193,7 @@ async fn bench(args: Args) -> anyhow::Result<ExitCode> {
 
 fn args_json(args: &Args) -> Value {
     json!({
-        "flows": args.flows,
+        "flows": args.flows(),
         "clients": args.clients,
         "connections": args.connections,
         "rate": args.rate,
@@ -185,6 +209,8 @@ fn args_json(args: &Args) -> Value {
         "poll_ms": args.poll_ms,
         "dir": args.dir,
         "keep": args.keep,
+        "callgrind": args.callgrind,
+        "bin_dir": args.bin_dir,
     })
 }
 
@@ -201,8 +227,8 @@ async fn run_one(args: &Args, base: &std::path::Path, spec: &RunSpec) -> anyhow:
         dir.path().display()
     );
     let pipeline = {
-        let (path, caps) = (dir.path().to_owned(), spec.caps.clone());
-        tokio::task::spawn_blocking(move || Pipeline::start(&path, &caps)).await?
+        let (path, caps, launcher) = (dir.path().to_owned(), spec.caps.clone(), args.launcher());
+        tokio::task::spawn_blocking(move || Pipeline::start(&path, &caps, &launcher)).await??
     };
     let bench_cpu_before = pipeline::proc_stats("self").cpu_seconds;
     let load = load::drive(&pipeline.producer.url(), "f", spec.flows, spec.load, args.connections).await?;
@@ -231,8 +257,10 @@ async fn run_one(args: &Args, base: &std::path::Path, spec: &RunSpec) -> anyhow:
         Ok((tables, files))
     })
     .await??;
+    // Read before the directory goes (unless --keep).
+    let instructions = if args.callgrind { Some(callgrind::counts(dir.path(), events)?) } else { None };
     let kept = if args.keep { Some(dir.keep()) } else { None };
-    Ok(report::run_json(
+    let mut run = report::run_json(
         spec.label,
         spec.flows,
         &spec.load,
@@ -244,5 +272,9 @@ async fn run_one(args: &Args, base: &std::path::Path, spec: &RunSpec) -> anyhow:
         files,
         kept,
         bench_cpu_before,
-    ))
+    );
+    if let Some(instructions) = instructions {
+        run["callgrind"] = instructions;
+    }
+    Ok(run)
 }

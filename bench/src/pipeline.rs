@@ -1,8 +1,11 @@
 //! One pipeline under test: the real producer, consumer (`--auto-apply`) and relay (`run`)
-//! on fresh files in their own directory, with the batch caps of the run, and what each
-//! process is measured by from the outside (`/proc/PID`: peak RSS, CPU time).
+//! on fresh files in their own directory, with the batch caps of the run, started directly
+//! or each under `valgrind --tool=callgrind`, and what each process is measured by from the
+//! outside (`/proc/PID`: peak RSS, CPU time) and says about itself at shutdown (the batch
+//! sizes its writers had).
 
 use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::Duration;
 
 use harness::background::RelayDaemon;
@@ -40,6 +43,66 @@ impl Caps {
             mark_delay_ms: 0,
             ..self.clone()
         }
+    }
+}
+
+/// How the three processes are started: which binaries, and whether under callgrind.
+#[derive(Clone, Debug)]
+pub struct Launcher {
+    /// Where `producer`, `consumer` and `relay` are (default: the harness's, i.e.
+    /// `target/release` of this checkout).
+    pub bin_dir: Option<PathBuf>,
+    /// Run each process under `valgrind --tool=callgrind`, its counts in
+    /// `callgrind.out.<name>` of the run's directory.
+    pub callgrind: bool,
+}
+
+/// The file callgrind writes for process `name` in `dir`.
+pub fn callgrind_out(dir: &Path, name: &str) -> PathBuf {
+    dir.join(format!("callgrind.out.{name}"))
+}
+
+impl Launcher {
+    /// How long a server may take to print its address (valgrind starts ~50× slower).
+    pub fn start_deadline(&self) -> Duration {
+        Duration::from_secs(if self.callgrind { 300 } else { 30 })
+    }
+
+    /// How long a process may take to exit after SIGTERM (callgrind writes its file then).
+    pub fn stop_deadline(&self) -> Duration {
+        Duration::from_secs(if self.callgrind { 600 } else { 60 })
+    }
+
+    /// The relay's environment: under callgrind every process runs ~50× slower, so the
+    /// relay waits up to an hour for an answer instead of dropping the stream after 10 s and
+    /// sending the window again (which would count resends as work per event). An
+    /// environment variable, not a flag, so that builds without the setting still start.
+    fn relay_env(&self) -> &'static [(&'static str, &'static str)] {
+        if self.callgrind { &[("ORDERED_EVENTS_RELAY_ANSWER_TIMEOUT_MS", "3600000")] } else { &[] }
+    }
+
+    fn binary(&self, name: &str) -> anyhow::Result<PathBuf> {
+        match &self.bin_dir {
+            None => Ok(harness::proc::bin_path(name)),
+            Some(dir) => {
+                let path = dir.join(name);
+                anyhow::ensure!(path.is_file(), "--bin-dir: {} is missing", path.display());
+                Ok(path)
+            }
+        }
+    }
+
+    /// The command (without the process's own arguments) that starts `name` for a run in `dir`.
+    fn command(&self, dir: &Path, name: &str) -> anyhow::Result<Command> {
+        let binary = self.binary(name)?;
+        if !self.callgrind {
+            return Ok(Command::new(binary));
+        }
+        let mut cmd = Command::new("valgrind");
+        cmd.arg("--tool=callgrind")
+            .arg(format!("--callgrind-out-file={}", callgrind_out(dir, name).display()))
+            .arg(binary);
+        Ok(cmd)
     }
 }
 
@@ -85,6 +148,7 @@ pub struct Pipeline {
     pub producer: ServerProcess,
     pub consumer: ServerProcess,
     pub relay: RelayDaemon,
+    stop_deadline: Duration,
 }
 
 /// The processes' measurements and the relay's final summary, after they stopped.
@@ -100,6 +164,9 @@ pub struct Stopped {
     pub producer_log_settings: Settings,
     pub consumer_log_settings: Settings,
     pub relay_log_settings: Settings,
+    /// Each writer's `batch sizes` shutdown line (transactions, items, mean, max, histogram),
+    /// by process then writer; empty for a build that does not log them.
+    pub batch_sizes: serde_json::Value,
 }
 
 /// Effective settings a process reported for its connection.
@@ -110,12 +177,23 @@ pub struct Settings {
 }
 
 impl Pipeline {
-    /// Starts producer, consumer and relay in `dir` with `caps`.
-    pub fn start(dir: &Path, caps: &Caps) -> Pipeline {
+    /// Starts producer, consumer and relay in `dir` with `caps`, as `launcher` says.
+    pub fn start(dir: &Path, caps: &Caps, launcher: &Launcher) -> anyhow::Result<Pipeline> {
         let producer_db = dir.join("producer.db");
         let consumer_db = dir.join("consumer.db");
         let text = |p: &Path| p.display().to_string();
-        let producer = ServerProcess::start(
+        let start_server = |name: &str, args: &[String]| -> anyhow::Result<ServerProcess> {
+            ServerProcess::try_start_command(
+                launcher.command(dir, name)?,
+                name,
+                args,
+                &[],
+                dir.join(format!("{name}.log")),
+                launcher.start_deadline(),
+            )
+            .map_err(anyhow::Error::msg)
+        };
+        let producer = start_server(
             "producer",
             &strings(&[
                 "--db",
@@ -125,10 +203,8 @@ impl Pipeline {
                 "--max-batch",
                 &caps.producer_max_batch.to_string(),
             ]),
-            &[],
-            dir.join("producer.log"),
-        );
-        let consumer = ServerProcess::start(
+        )?;
+        let consumer = start_server(
             "consumer",
             &strings(&[
                 "--db",
@@ -141,15 +217,15 @@ impl Pipeline {
                 "--apply-batch",
                 &caps.apply_batch.to_string(),
             ]),
-            &[],
-            dir.join("consumer.log"),
-        );
-        let relay = RelayDaemon::start(
+        )?;
+        let relay = RelayDaemon::start_command(
+            launcher.command(dir, "relay")?,
             dir,
             "relay",
             &producer_db,
             &consumer.url(),
             &[
+                "run",
                 "--poll-ms",
                 &caps.poll_ms.to_string(),
                 "--window",
@@ -159,9 +235,15 @@ impl Pipeline {
                 "--mark-delay-ms",
                 &caps.mark_delay_ms.to_string(),
             ],
-            &[],
+            launcher.relay_env(),
         );
-        Pipeline { dir: dir.to_owned(), producer, consumer, relay }
+        Ok(Pipeline {
+            dir: dir.to_owned(),
+            producer,
+            consumer,
+            relay,
+            stop_deadline: launcher.stop_deadline(),
+        })
     }
 
     pub fn producer_db(&self) -> PathBuf {
@@ -179,20 +261,28 @@ impl Pipeline {
         let consumer = stats(self.consumer.pid());
         let relay = stats(self.relay.pid());
         let relay_log = self.relay.log_text();
-        let run = self.relay.terminate(Duration::from_secs(60));
+        let run = self.relay.terminate(self.stop_deadline);
         let relay_summary =
             run.lines.iter().rev().find(|l| l["type"] == "summary").cloned().unwrap_or_default();
-        self.producer.terminate(Duration::from_secs(60));
-        self.consumer.terminate(Duration::from_secs(60));
+        self.producer.terminate(self.stop_deadline);
+        self.consumer.terminate(self.stop_deadline);
+        let (producer_log, consumer_log) = (self.producer.log_text(), self.consumer.log_text());
+        // The relay's shutdown lines are in `run.stderr`: the log read above predates them.
+        let batch_sizes = serde_json::json!({
+            "producer": batch_sizes(&producer_log),
+            "consumer": batch_sizes(&consumer_log),
+            "relay": batch_sizes(&run.stderr),
+        });
         Stopped {
             producer,
             consumer,
             relay,
             relay_exit_code: run.code,
             relay_summary,
-            producer_log_settings: settings(&self.producer.log_text()),
-            consumer_log_settings: settings(&self.consumer.log_text()),
+            producer_log_settings: settings(&producer_log),
+            consumer_log_settings: settings(&consumer_log),
             relay_log_settings: settings(&relay_log),
+            batch_sizes,
         }
     }
 }
@@ -208,4 +298,61 @@ fn settings(log: &str) -> Settings {
         line.split_whitespace().find_map(|w| w.strip_prefix(key)).map(|v| v.trim_matches('"').to_owned())
     };
     Settings { journal_mode: value("journal_mode="), synchronous: value("synchronous=") }
+}
+
+/// The `batch sizes` lines a process logged at shutdown, by writer:
+/// `{"advance": {"transactions": 40, "items": 6000, "mean": 150.0, "max": 256, "histogram": "…"}}`.
+pub fn batch_sizes(log: &str) -> serde_json::Value {
+    let mut writers = serde_json::Map::new();
+    for line in log.lines().filter(|l| l.contains(" batch sizes ")) {
+        let fields = key_values(line.split_once(" batch sizes ").map_or("", |(_, rest)| rest));
+        let Some(writer) = fields.iter().find(|(k, _)| k == "writer").map(|(_, v)| v.clone()) else {
+            continue;
+        };
+        let entry: serde_json::Map<String, serde_json::Value> = fields
+            .into_iter()
+            .filter(|(k, _)| k != "writer")
+            .map(|(k, v)| {
+                let value = match (v.parse::<u64>(), v.parse::<f64>()) {
+                    (Ok(n), _) => serde_json::json!(n),
+                    (_, Ok(x)) => serde_json::json!(x),
+                    _ => serde_json::Value::String(v),
+                };
+                (k, value)
+            })
+            .collect();
+        writers.insert(writer, entry.into());
+    }
+    writers.into()
+}
+
+/// `key=value` pairs of a text log line's fields; a value may be `"quoted with spaces"`.
+fn key_values(text: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut rest = text.trim_start();
+    while let Some((key, after)) = rest.split_once('=') {
+        let (value, next) = match after.strip_prefix('"') {
+            Some(quoted) => quoted.split_once('"').unwrap_or((quoted, "")),
+            None => after.split_once(' ').unwrap_or((after, "")),
+        };
+        out.push((key.trim().to_owned(), value.to_owned()));
+        rest = next.trim_start();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batch_size_lines_are_read_by_writer() {
+        let log = "2025-01-01T00:00:00.000000Z  INFO producer: producer stopped\n\
+                   2025-01-01T00:00:00.000001Z  INFO runtime::batches: batch sizes writer=\"advance\" transactions=3 items=7 mean=2.33 max=4 histogram=\"1:1 2-3:1 4-7:1\"\n";
+        let sizes = batch_sizes(log);
+        assert_eq!(sizes["advance"]["transactions"], 3);
+        assert_eq!(sizes["advance"]["mean"], 2.33);
+        assert_eq!(sizes["advance"]["histogram"], "1:1 2-3:1 4-7:1");
+        assert_eq!(batch_sizes("nothing here"), serde_json::json!({}));
+    }
 }

@@ -188,6 +188,7 @@ pub fn run_json(
             },
         },
         "relay": {"exit_code": stopped.relay_exit_code, "summary": stopped.relay_summary},
+        "batch_sizes": stopped.batch_sizes,
         "verified": tables.verified,
     })
 }

@@ -10,6 +10,7 @@ use std::sync::Mutex;
 use proto::body::Event;
 use proto::crash::{CrashPoint, CrashSwitch};
 use proto::db::{self, StepFailure};
+use runtime::batches::BatchSizes;
 use runtime::blocking::lock;
 use rusqlite::{Connection, Transaction};
 
@@ -165,6 +166,9 @@ enum Progress {
     Stopped { stop: Stop, projection: Projection, wrote: bool },
 }
 
+/// Steps per committed apply transaction, logged at shutdown.
+static APPLY_BATCHES: BatchSizes = BatchSizes::new("apply");
+
 /// Applies each of `flows` in turn, up to `max_steps` each, with consecutive steps of many
 /// flows in one `BEGIN IMMEDIATE` transaction of up to `opts.max_batch` steps. Each step is
 /// its own savepoint: a failing step rolls back alone and fails only its flow (the others'
@@ -269,6 +273,9 @@ pub fn apply_flows(
         }
         match finished {
             Ok(()) => {
+                if applied_any {
+                    APPLY_BATCHES.record(runs.iter().map(|r| r.pending.len()).sum());
+                }
                 for run in &mut runs {
                     let pending = std::mem::take(&mut run.pending);
                     run.committed.extend(pending);

@@ -98,5 +98,6 @@ async fn run(args: Args) -> anyhow::Result<()> {
         consumer::run(service, listener, shutdown, &settings)
     })
     .await?;
+    runtime::batches::log_all();
     Ok(())
 }

@@ -81,6 +81,9 @@ impl WriterOptions {
     }
 }
 
+/// Envelopes per Receive batch (one transaction each), logged at shutdown.
+static RECEIVE_BATCHES: runtime::batches::BatchSizes = runtime::batches::BatchSizes::new("receive");
+
 /// Starts the writer thread. In auto-apply mode it first applies whatever earlier runs left
 /// accepted but unapplied (a crash between a Receive commit and its apply, say).
 pub fn spawn(conn: Arc<Mutex<Connection>>, opts: WriterOptions) -> std::io::Result<mpsc::Sender<ReceiveJob>> {
@@ -93,10 +96,16 @@ pub fn spawn(conn: Arc<Mutex<Connection>>, opts: WriterOptions) -> std::io::Resu
     }
     runtime::group::spawn_writer("receive-writer", opts.max_batch, queue, move |jobs: Vec<ReceiveJob>| {
         let started = std::time::Instant::now();
-        let results =
-            receive_batch(&mut runtime::blocking::lock(&conn), &jobs, &opts.apply.crash, opts.admission, opts.storage());
+        let results = receive_batch(
+            &mut runtime::blocking::lock(&conn),
+            &jobs,
+            &opts.apply.crash,
+            opts.admission,
+            opts.storage(),
+        );
         let committed = started.elapsed();
         let batch_len = jobs.len();
+        RECEIVE_BATCHES.record(batch_len);
         let mut touched = BTreeSet::new();
         for (job, result) in jobs.into_iter().zip(results) {
             if matches!(&result, Ok(r) if matches!(r.outcome, ReceiveOutcome::Accepted | ReceiveOutcome::Duplicate))

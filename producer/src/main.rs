@@ -59,5 +59,6 @@ async fn run(args: Args) -> anyhow::Result<()> {
         producer::run(service, listener, shutdown, &settings)
     })
     .await?;
+    runtime::batches::log_all();
     Ok(())
 }

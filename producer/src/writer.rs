@@ -7,12 +7,16 @@ use std::sync::{Arc, Mutex};
 
 use proto::crash::{CrashPoint, CrashSwitch};
 use proto::db::{self, StepFailure, storage_status};
+use runtime::batches::BatchSizes;
 use rusqlite::Connection;
 use tokio::sync::{mpsc, oneshot};
 use tonic::Status;
 
 use crate::request::AdvanceCommand;
 use crate::store::{self, AdvanceOutcome, AdvanceReply};
+
+/// Calls per `Advance` batch (one transaction each), logged at shutdown.
+static ADVANCE_BATCHES: BatchSizes = BatchSizes::new("advance");
 
 /// One queued `Advance` and where its answer goes.
 pub struct AdvanceJob {
@@ -38,6 +42,7 @@ pub fn spawn(
             let started = std::time::Instant::now();
             let results =
                 { advance_batch(&mut runtime::blocking::lock(&conn), &cmds, &crash, max_unaccepted) };
+            ADVANCE_BATCHES.record(cmds.len());
             tracing::debug!(calls = cmds.len(), us = started.elapsed().as_micros() as u64, "advance batch");
             for (reply, result) in replies.into_iter().zip(results) {
                 // The caller may have gone away (deadline, disconnect); its answer is moot.

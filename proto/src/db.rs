@@ -42,7 +42,13 @@ impl DbKind {
         schema_sql: &'static str,
         upgrades: &'static [&'static str],
     ) -> DbKind {
-        DbKind { name: "producer", application_id: PRODUCER_APPLICATION_ID, user_version, schema_sql, upgrades }
+        DbKind {
+            name: "producer",
+            application_id: PRODUCER_APPLICATION_ID,
+            user_version,
+            schema_sql,
+            upgrades,
+        }
     }
 
     /// consumer.db at schema version `user_version`, created with `schema_sql`.
@@ -51,7 +57,13 @@ impl DbKind {
         schema_sql: &'static str,
         upgrades: &'static [&'static str],
     ) -> DbKind {
-        DbKind { name: "consumer", application_id: CONSUMER_APPLICATION_ID, user_version, schema_sql, upgrades }
+        DbKind {
+            name: "consumer",
+            application_id: CONSUMER_APPLICATION_ID,
+            user_version,
+            schema_sql,
+            upgrades,
+        }
     }
 }
 

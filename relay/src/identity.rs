@@ -6,9 +6,9 @@
 //! consumer answers `DUPLICATE` where it still holds one). No accepted event is lost silently.
 //! `run` repeats the check while idle, since a dead stream only shows on the next send.
 
-use runtime::auth::SendToken;
 use proto::pb;
 use proto::pb::consumer_client::ConsumerClient;
+use runtime::auth::SendToken;
 use std::time::Duration;
 
 use tonic::transport::Channel;

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use producer::store::{self, DeliveryAnswer, OutboxRecord};
 use proto::crash::{CrashPoint, CrashSwitch};
 use proto::db::{self, DbError, OpenMode};
+use runtime::batches::BatchSizes;
 use rusqlite::Connection;
 
 /// The relay's connection to producer.db.
@@ -74,6 +75,7 @@ impl Ledger {
                 crash.reach(CrashPoint::RelayAfterMark);
             }
             tx.commit()?;
+            MARK_BATCHES.record(answers.len());
             tracing::debug!(answers = answers.len(), "answers recorded");
             if marked {
                 crash.reach(CrashPoint::RelayAfterMarkCommit);
@@ -131,6 +133,9 @@ impl Ledger {
         .await
     }
 }
+
+/// Answers per recorded-answers (mark) transaction, logged at shutdown.
+static MARK_BATCHES: BatchSizes = BatchSizes::new("mark");
 
 /// One answer to record on its outbox row.
 #[derive(Clone, Debug)]

@@ -137,6 +137,7 @@ async fn main() -> ExitCode {
         }
         Err(failure) => Err(failure),
     };
+    runtime::batches::log_all();
     // The one exit path: a code, or one `relay: error:` line and its code.
     match ended {
         Ok(code) => ExitCode::from(code),
@@ -182,8 +183,12 @@ fn config(args: Args) -> Result<relay::Config, Failure> {
             max_backoff: Duration::from_millis(max_backoff_ms),
         }),
     };
-    let token =
-        args.token_file.as_deref().map(runtime::auth::read_token).transpose().map_err(Failure::operational)?;
+    let token = args
+        .token_file
+        .as_deref()
+        .map(runtime::auth::read_token)
+        .transpose()
+        .map_err(Failure::operational)?;
     let tls_ca = args
         .tls_ca
         .as_deref()

@@ -34,8 +34,7 @@ pub async fn record(
     if answered.is_empty() {
         return Ok(0);
     }
-    let recorded =
-        answered
+    let recorded = answered
         .iter()
         .map(|a| Recorded { event_id: a.row.event_id.clone(), answer: a.answer, position: a.position })
         .collect();

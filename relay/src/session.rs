@@ -4,9 +4,9 @@
 
 use std::time::{Duration, Instant};
 
-use runtime::auth::SendToken;
 use proto::pb;
 use proto::pb::consumer_client::ConsumerClient;
+use runtime::auth::SendToken;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 

@@ -42,7 +42,9 @@ pub fn release_free_memory() -> bool {
     // Unsafe FFI: glibc's malloc_trim has no safe wrapper.
     #[allow(unsafe_code)]
     // SAFETY: malloc_trim only walks glibc's own arenas under their locks.
-    unsafe { libc::malloc_trim(0) == 1 }
+    unsafe {
+        libc::malloc_trim(0) == 1
+    }
 }
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]

@@ -6,6 +6,7 @@
 
 pub mod alloc;
 pub mod auth;
+pub mod batches;
 pub mod blocking;
 pub mod group;
 pub mod process;

@@ -104,7 +104,15 @@ where
     S::Future: Send + 'static,
 {
     let guarded = InterceptedService::new(service, settings.require_token());
-    crate::serve::serve_with_health(listener, S::NAME, |r| r.add_service(guarded), shutdown, settings, storage).await
+    crate::serve::serve_with_health(
+        listener,
+        S::NAME,
+        |r| r.add_service(guarded),
+        shutdown,
+        settings,
+        storage,
+    )
+    .await
 }
 
 /// Binds `listen`, installs the signal handlers, prints the bound address as the first

@@ -171,7 +171,6 @@ impl Trimmer {
     }
 }
 
-
 /// What one connection shares with the streams opened on it: how many are open, since when
 /// none is, and the waker of its reader (woken when the last stream closes, so the idle
 /// timer starts even though no byte arrives).

@@ -41,9 +41,22 @@ impl RelayDaemon {
         args: &[&str],
         env: &[(&str, &str)],
     ) -> RelayDaemon {
+        Self::start_command(Command::new(bin_path("relay")), dir, name, producer_db, consumer_url, args, env)
+    }
+
+    /// [`RelayDaemon::start_mode`] of a command the caller built (the program and its leading
+    /// arguments, e.g. the relay run under `valgrind`).
+    pub fn start_command(
+        mut cmd: Command,
+        dir: &Path,
+        name: &str,
+        producer_db: &Path,
+        consumer_url: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> RelayDaemon {
         let stdout = dir.join(format!("{name}.out"));
         let stderr = dir.join(format!("{name}.err"));
-        let mut cmd = Command::new(bin_path("relay"));
         cmd.arg("--producer-db").arg(producer_db).arg("--consumer").arg(consumer_url).args(args);
         crate::proc::strip_ours(&mut cmd);
         for (k, v) in env {
@@ -82,8 +95,7 @@ impl RelayDaemon {
     /// SIGTERM, wait for the exit, and read its lines.
     pub fn terminate(self, deadline: Duration) -> RelayRun {
         let child = self.child.as_ref().expect("running relay");
-        // SAFETY: plain kill(2) on our own child's pid.
-        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        crate::proc::signal(child.id(), libc::SIGTERM);
         self.wait(deadline)
     }
 

@@ -92,8 +92,20 @@ impl ServerProcess {
         log: PathBuf,
         deadline: Duration,
     ) -> Result<ServerProcess, String> {
+        Self::try_start_command(Command::new(bin_path(bin)), bin, args, env, log, deadline)
+    }
+
+    /// [`ServerProcess::try_start`] of a command the caller built (`program` and its leading
+    /// arguments, e.g. a binary run under `valgrind`); `bin` names it in messages.
+    pub fn try_start_command(
+        mut cmd: Command,
+        bin: &str,
+        args: &[String],
+        env: &[(&str, &str)],
+        log: PathBuf,
+        deadline: Duration,
+    ) -> Result<ServerProcess, String> {
         let err = std::fs::File::create(&log).map_err(|e| format!("create {}: {e}", log.display()))?;
-        let mut cmd = Command::new(bin_path(bin));
         cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(err);
         strip_ours(&mut cmd);
         cmd.env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()));
@@ -168,8 +180,7 @@ impl ServerProcess {
     /// Sends SIGTERM and waits for a clean exit.
     pub fn terminate(&mut self, deadline: Duration) -> ExitStatus {
         let child = self.child.as_mut().expect("process still owned");
-        // SAFETY: plain kill(2) on our own child's pid.
-        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        signal(child.id(), libc::SIGTERM);
         self.wait_exit(deadline)
     }
 
@@ -192,8 +203,7 @@ impl ServerProcess {
     /// Stops the process (SIGSTOP) until the guard is dropped or [`Frozen::resume`]d.
     pub fn freeze(&self) -> Frozen<'_> {
         let pid = self.pid().expect("process still owned");
-        // SAFETY: plain kill(2) on our own child's pid.
-        unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+        signal(pid, libc::SIGSTOP);
         Frozen { process: self }
     }
 }
@@ -206,8 +216,7 @@ impl Frozen<'_> {
 impl Drop for Frozen<'_> {
     fn drop(&mut self) {
         if let Some(pid) = self.process.pid() {
-            // SAFETY: plain kill(2) on our own (not yet reaped) child's pid.
-            unsafe { libc::kill(pid as i32, libc::SIGCONT) };
+            signal(pid, libc::SIGCONT);
         }
     }
 }
@@ -523,4 +532,15 @@ pub fn relay(producer_db: &Path, consumer_url: &str, args: &[&str], env: &[(&str
 /// [`relay`] armed at `point` (it dies when its write path reaches it).
 pub fn relay_armed(producer_db: &Path, consumer_url: &str, args: &[&str], point: CrashPoint) -> RelayRun {
     relay(producer_db, consumer_url, args, &[arming(point)])
+}
+
+/// Sends `sig` to the child process `pid` (one we spawned and have not reaped yet, so the
+/// pid cannot name another process). The one place the harness calls kill(2).
+pub fn signal(pid: u32, sig: libc::c_int) {
+    // kill(2) has no safe wrapper in libc; the workspace denies unsafe code elsewhere.
+    #[allow(unsafe_code)]
+    // SAFETY: kill(2) takes plain integers and touches no memory of ours.
+    unsafe {
+        libc::kill(pid as libc::pid_t, sig);
+    }
 }

@@ -14,6 +14,10 @@ fn main() -> anyhow::Result<()> {
     conn.execute("INSERT INTO flow(flow_id, seq, state, amount) VALUES (?1, 1, 'reserved', 3)", [&flow])?;
     // The state change is committed (autocommit); the outbox write would come next.
     eprintln!("unsafe_dual_write: flow committed, dying before the outbox write");
+    // _exit has no safe wrapper: std::process::exit would run destructors and flush.
+    #[allow(unsafe_code)]
     // SAFETY: _exit ends the process at once, which is the point of this control.
-    unsafe { libc::_exit(81) };
+    unsafe {
+        libc::_exit(81)
+    };
 }
