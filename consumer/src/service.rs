@@ -482,7 +482,8 @@ impl pb::consumer_server::Consumer for ConsumerService {
             store::identity(&tx).map_err(|e| store_status("identify", &e))
         })
         .await??;
-        tracing::info!(
+        // Debug only: an idle `relay run` asks about once a second.
+        tracing::debug!(
             producer_database_id = %producer,
             database_id = %identity.database_id,
             highest_inbox_position = identity.highest_position,
