@@ -477,7 +477,12 @@ impl pb::consumer_server::Consumer for ConsumerService {
         let storage = self.storage;
         let identity = with_locked(&self.conn, move |conn: &mut Connection| {
             // A database deleted or replaced under us must not vouch for its history.
-            storage.before_commit().map_err(|e| store_status("identify", &e))?;
+            // Reported like a failed commit: the consumer cannot accept, so it says so
+            // (NOT_SERVING, one log line) even before any envelope reaches its writer.
+            storage.before_commit().map_err(|e| {
+                storage.commit_failed(&e);
+                store_status("identify", &e)
+            })?;
             let tx = conn.transaction().map_err(|e| storage_status("identify", &e))?;
             store::identity(&tx).map_err(|e| store_status("identify", &e))
         })
