@@ -374,22 +374,43 @@ impl DeliveryAnswer {
     }
 }
 
+/// Where an accepted event now lives: the consumer database that answered and the inbox
+/// position it answered with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AcceptedBy<'a> {
+    /// The consumer database's identity.
+    pub consumer_db: &'a str,
+    /// The event's position in that database's inbox (above 0).
+    pub position: u64,
+}
+
 /// Inside a relay's transaction: counts one send of `event_id` with the consumer's answer,
-/// and when the answer [holds the event](DeliveryAnswer::holds_event) sets `accepted = 1`.
-/// Any other answer leaves the row unaccepted. Returns false when no such row exists.
+/// and when the answer [holds the event](DeliveryAnswer::holds_event) sets `accepted = 1`
+/// and, when known, which consumer database holds it at which inbox position
+/// (`accepted_by`). Any other answer leaves the row unaccepted and `accepted_by` as it was.
+/// One statement: the row and its indexes are written once per answer. Returns false when
+/// no such row exists.
 pub fn record_delivery(
     tx: &Transaction<'_>,
     event_id: &str,
     answer: DeliveryAnswer,
     now_us: i64,
+    accepted_by: Option<AcceptedBy<'_>>,
 ) -> rusqlite::Result<bool> {
     let mut stmt = tx.prepare_cached(
         "UPDATE outbox SET attempts = attempts + 1, last_outcome = ?2,
              accepted_at_us = CASE WHEN ?3 AND accepted = 0 THEN ?4 ELSE accepted_at_us END,
-             accepted = CASE WHEN ?3 THEN 1 ELSE accepted END
+             accepted = CASE WHEN ?3 THEN 1 ELSE accepted END,
+             accepted_by = CASE WHEN ?3 AND ?5 IS NOT NULL THEN ?5 ELSE accepted_by END,
+             accepted_position = CASE WHEN ?3 AND ?5 IS NOT NULL THEN ?6 ELSE accepted_position END
          WHERE event_id = ?1",
     )?;
-    Ok(stmt.execute(params![event_id, answer.word(), answer.holds_event(), now_us])? == 1)
+    let holds = answer.holds_event();
+    let (by, position) = match accepted_by {
+        Some(a) if holds => (Some(a.consumer_db), Some(a.position)),
+        _ => (None, None),
+    };
+    Ok(stmt.execute(params![event_id, answer.word(), holds, now_us, by, position])? == 1)
 }
 
 /// The word `last_outcome` gets for a send that was never answered (the stream broke, the
@@ -408,21 +429,6 @@ pub fn record_unanswered_send(tx: &Transaction<'_>, event_id: &str) -> rusqlite:
 /// This producer database's random identity, created with it.
 pub fn database_id(conn: &Connection) -> rusqlite::Result<String> {
     conn.prepare_cached("SELECT database_id FROM database_identity WHERE id = 1")?.query_row([], |r| r.get(0))
-}
-
-/// Inside a relay's transaction, after `record_delivery` marked `event_id` accepted: which
-/// consumer database holds it and at which inbox position.
-pub fn record_accepted_by(
-    tx: &Transaction<'_>,
-    event_id: &str,
-    consumer_db: &str,
-    position: u64,
-) -> rusqlite::Result<()> {
-    tx.prepare_cached(
-        "UPDATE outbox SET accepted_by = ?2, accepted_position = ?3 WHERE event_id = ?1 AND accepted = 1",
-    )?
-    .execute(params![event_id, consumer_db, position])?;
-    Ok(())
 }
 
 /// Accepted rows the consumer database `consumer_db`, whose history reaches
@@ -561,8 +567,8 @@ mod tests {
         assert_eq!(flow_record(&conn, "A").unwrap().seq, 2);
         // Once the relay marks a row accepted, there is room again.
         let tx = db::begin_immediate(&mut conn).unwrap();
-        record_delivery(&tx, "A1", DeliveryAnswer::Accepted, 2).unwrap();
-        record_delivery(&tx, "A1", DeliveryAnswer::Duplicate, 3).unwrap();
+        record_delivery(&tx, "A1", DeliveryAnswer::Accepted, 2, None).unwrap();
+        record_delivery(&tx, "A1", DeliveryAnswer::Duplicate, 3, None).unwrap();
         tx.commit().unwrap();
         assert_eq!(unaccepted_count(&conn).unwrap(), 1);
         assert_eq!(capped(&mut conn, &cmd("A3", 2, "released", 1, 3)), AdvanceOutcome::Committed);
@@ -654,19 +660,50 @@ mod tests {
         let mut conn = open(&dir.path().join("p.db"), OpenMode::Create).unwrap();
         run(&mut conn, &cmd("A1", 0, "reserved", 1, 3));
         let tx = db::begin_immediate(&mut conn).unwrap();
-        assert!(record_delivery(&tx, "A1", DeliveryAnswer::IdConflict, 5).unwrap());
-        assert!(!record_delivery(&tx, "nope", DeliveryAnswer::Accepted, 5).unwrap());
+        assert!(record_delivery(&tx, "A1", DeliveryAnswer::IdConflict, 5, None).unwrap());
+        assert!(!record_delivery(&tx, "nope", DeliveryAnswer::Accepted, 5, None).unwrap());
         tx.commit().unwrap();
         assert_eq!(unaccepted_after(&conn, ("", 0), 10).unwrap().len(), 1);
         let tx = db::begin_immediate(&mut conn).unwrap();
-        assert!(record_delivery(&tx, "A1", DeliveryAnswer::Accepted, 6).unwrap());
-        assert!(record_delivery(&tx, "A1", DeliveryAnswer::Duplicate, 7).unwrap());
+        assert!(record_delivery(&tx, "A1", DeliveryAnswer::Accepted, 6, None).unwrap());
+        assert!(record_delivery(&tx, "A1", DeliveryAnswer::Duplicate, 7, None).unwrap());
         tx.commit().unwrap();
         let row = outbox_row(&conn, "A1").unwrap().unwrap();
         assert!(row.accepted);
         assert_eq!(row.attempts, 3);
         assert_eq!(row.last_outcome.as_deref(), Some("DUPLICATE"));
         assert!(unaccepted_after(&conn, ("", 0), 10).unwrap().is_empty());
+    }
+
+    #[test]
+    fn only_an_answer_that_holds_the_event_records_where_it_lives() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut conn = open(&dir.path().join("p.db"), OpenMode::Create).unwrap();
+        run(&mut conn, &cmd("A1", 0, "reserved", 1, 3));
+        let at = |position| Some(AcceptedBy { consumer_db: "c1", position });
+        let where_ = |conn: &Connection| -> (Option<String>, Option<u64>) {
+            conn.query_row(
+                "SELECT accepted_by, accepted_position FROM outbox WHERE event_id = 'A1'",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap()
+        };
+        let tx = db::begin_immediate(&mut conn).unwrap();
+        assert!(record_delivery(&tx, "A1", DeliveryAnswer::BacklogFull, 5, at(4)).unwrap());
+        tx.commit().unwrap();
+        assert_eq!(where_(&conn), (None, None));
+        let tx = db::begin_immediate(&mut conn).unwrap();
+        assert!(record_delivery(&tx, "A1", DeliveryAnswer::Accepted, 6, at(7)).unwrap());
+        tx.commit().unwrap();
+        assert_eq!(where_(&conn), (Some("c1".into()), Some(7)));
+        // A later answer without a known position keeps what was recorded.
+        let tx = db::begin_immediate(&mut conn).unwrap();
+        assert!(record_delivery(&tx, "A1", DeliveryAnswer::Duplicate, 7, None).unwrap());
+        assert!(record_delivery(&tx, "A1", DeliveryAnswer::IdConflict, 8, at(9)).unwrap());
+        tx.commit().unwrap();
+        assert_eq!(where_(&conn), (Some("c1".into()), Some(7)));
+        assert_eq!(lost_rows(&conn, "c1", 6).unwrap().beyond_history, 1);
     }
 
     #[test]
@@ -700,7 +737,7 @@ mod tests {
         run(&mut conn, &cmd("A1", 0, "reserved", 1, 3));
         let tx = db::begin_immediate(&mut conn).unwrap();
         assert!(record_unanswered_send(&tx, "A1").unwrap());
-        assert!(record_delivery(&tx, "A1", DeliveryAnswer::Unknown(9), 5).unwrap());
+        assert!(record_delivery(&tx, "A1", DeliveryAnswer::Unknown(9), 5, None).unwrap());
         assert!(!record_unanswered_send(&tx, "nope").unwrap());
         tx.commit().unwrap();
         let row = outbox_row(&conn, "A1").unwrap().unwrap();
