@@ -359,7 +359,17 @@ pub fn projection(conn: &Connection, flow_id: &str) -> Result<Projection> {
     }
 }
 
-const INBOX_COLUMNS: &str = "event_id, flow_id, seq, kind, schema, body, state, reason";
+/// The columns `raw_inbox` reads, as a macro so the statements below are literals (built
+/// once at compile time, not formatted at every call).
+macro_rules! inbox_columns {
+    () => {
+        "event_id, flow_id, seq, kind, schema, body, state, reason"
+    };
+}
+
+/// The row at one (flow_id, seq).
+const INBOX_AT_SEQ_SQL: &str =
+    concat!("SELECT ", inbox_columns!(), " FROM inbox WHERE flow_id = ?1 AND seq = ?2");
 
 type RawInbox = (String, String, u64, String, u32, String, String, Option<String>);
 
@@ -395,10 +405,8 @@ pub enum Next {
 /// The row at exactly `next_seq` of the flow ("greater than last_seq" would skip a gap), or
 /// whether a later one waits.
 pub fn next_to_apply(conn: &Connection, flow_id: &str, next_seq: u64) -> Result<Next> {
-    let raw = conn
-        .prepare_cached(&format!("SELECT {INBOX_COLUMNS} FROM inbox WHERE flow_id = ?1 AND seq = ?2"))?
-        .query_row(params![flow_id, next_seq], raw_inbox)
-        .optional()?;
+    let raw =
+        conn.prepare_cached(INBOX_AT_SEQ_SQL)?.query_row(params![flow_id, next_seq], raw_inbox).optional()?;
     if let Some(raw) = raw {
         let row = inbox_record(raw)?;
         if row.state == InboxState::Applied {
@@ -516,8 +524,11 @@ pub fn apply_step(
 
 /// The flow's inbox rows in seq order.
 pub fn flow_inbox(conn: &Connection, flow_id: &str) -> Result<Vec<InboxRecord>> {
-    let mut stmt =
-        conn.prepare_cached(&format!("SELECT {INBOX_COLUMNS} FROM inbox WHERE flow_id = ?1 ORDER BY seq"))?;
+    let mut stmt = conn.prepare_cached(concat!(
+        "SELECT ",
+        inbox_columns!(),
+        " FROM inbox WHERE flow_id = ?1 ORDER BY seq"
+    ))?;
     let raws = stmt.query_map([flow_id], raw_inbox)?.collect::<rusqlite::Result<Vec<_>>>()?;
     raws.into_iter().map(inbox_record).collect()
 }
@@ -582,9 +593,8 @@ pub fn backlog(conn: &Connection, limit: usize) -> Result<(Vec<Backlog>, u64)> {
         .collect::<rusqlite::Result<_>>()?;
     let mut flows = Vec::with_capacity(groups.len());
     for (flow_id, waiting_rows, lowest_seq) in groups {
-        let raw = conn
-            .prepare_cached(&format!("SELECT {INBOX_COLUMNS} FROM inbox WHERE flow_id = ?1 AND seq = ?2"))?
-            .query_row(params![flow_id, lowest_seq], raw_inbox)?;
+        let raw =
+            conn.prepare_cached(INBOX_AT_SEQ_SQL)?.query_row(params![flow_id, lowest_seq], raw_inbox)?;
         flows.push(Backlog {
             projection: projection(conn, &flow_id)?,
             flow_id,

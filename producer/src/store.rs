@@ -262,7 +262,13 @@ pub fn flow_record(conn: &Connection, flow_id: &str) -> rusqlite::Result<FlowRec
     }
 }
 
-const OUTBOX_COLUMNS: &str = "event_id, flow_id, seq, kind, schema, body, accepted, attempts, last_outcome";
+/// The columns `outbox_from_row` reads, as a macro so the statements below are literals
+/// (built once at compile time, not formatted at every call).
+macro_rules! outbox_columns {
+    () => {
+        "event_id, flow_id, seq, kind, schema, body, accepted, attempts, last_outcome"
+    };
+}
 
 fn outbox_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<OutboxRecord> {
     Ok(OutboxRecord {
@@ -280,15 +286,18 @@ fn outbox_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<OutboxRecord> {
 
 /// The outbox row of `event_id`, accepted or not.
 pub fn outbox_row(conn: &Connection, event_id: &str) -> rusqlite::Result<Option<OutboxRecord>> {
-    conn.prepare_cached(&format!("SELECT {OUTBOX_COLUMNS} FROM outbox WHERE event_id = ?1"))?
+    conn.prepare_cached(concat!("SELECT ", outbox_columns!(), " FROM outbox WHERE event_id = ?1"))?
         .query_row([event_id], outbox_from_row)
         .optional()
 }
 
 /// The flow's outbox rows in seq order.
 pub fn flow_outbox(conn: &Connection, flow_id: &str) -> rusqlite::Result<Vec<OutboxRecord>> {
-    let mut stmt =
-        conn.prepare_cached(&format!("SELECT {OUTBOX_COLUMNS} FROM outbox WHERE flow_id = ?1 ORDER BY seq"))?;
+    let mut stmt = conn.prepare_cached(concat!(
+        "SELECT ",
+        outbox_columns!(),
+        " FROM outbox WHERE flow_id = ?1 ORDER BY seq"
+    ))?;
     stmt.query_map([flow_id], outbox_from_row)?.collect()
 }
 
