@@ -13,9 +13,34 @@ use rusqlite::{Connection, OptionalExtension, Transaction, params};
 
 use crate::rules::{BlockReason, Projection};
 
-/// consumer.db: identity and schema (version 2: version 1 plus the database identity; a new
-/// file gets version 1's schema and then every upgrade).
-pub const KIND: DbKind = DbKind::consumer(2, SCHEMA, &[IDENTITY_SQL]);
+/// consumer.db: identity and schema (version 2: version 1 plus the database identity;
+/// version 3: the state and reason checks without `IN` lists; a new file gets version 1's
+/// schema and then every upgrade).
+pub const KIND: DbKind = DbKind::consumer(3, SCHEMA, &[IDENTITY_SQL, PLAIN_CHECKS_SQL]);
+
+/// Version 3: the same checks on `inbox.state`, `inbox.reason` and `projection.state`,
+/// written as comparisons. SQLite evaluates a constant `IN` list of more than two values
+/// through a temporary b-tree built anew at every execution (two zeroed pages, a cursor,
+/// three inserts), and a CHECK runs on every write of the row: receiving and applying one
+/// event wrote such rows four times, about a third of the consumer's instructions. The
+/// definitions are edited in place (`writable_schema`, SQLite's documented way to change a
+/// CHECK whose stored rows already satisfy it), so no row is copied. A NULL reason still
+/// passes (`NULL = x` is NULL, as `NULL IN (...)` was).
+const PLAIN_CHECKS_SQL: &str = "
+PRAGMA writable_schema = ON;
+UPDATE sqlite_schema
+SET sql = replace(replace(sql,
+        'CHECK(state IN (''pending'',''blocked'',''applied''))',
+        'CHECK(state = ''pending'' OR state = ''blocked'' OR state = ''applied'')'),
+        'CHECK(reason IN (''unsupported_schema'',''invalid_payload'',''invalid_transition''))',
+        'CHECK(reason = ''unsupported_schema'' OR reason = ''invalid_payload'' OR reason = ''invalid_transition'')')
+WHERE type = 'table' AND name = 'inbox';
+UPDATE sqlite_schema
+SET sql = replace(sql, 'CHECK(state IN (''reserved'',''confirmed'',''released''))',
+                  'CHECK(state = ''reserved'' OR state = ''confirmed'' OR state = ''released'')')
+WHERE type = 'table' AND name = 'projection';
+PRAGMA writable_schema = RESET;
+";
 
 /// The database's identity, created with it: a random id that a copy restored from a backup
 /// keeps, and a recreated database does not. The inbox's rowid is the position of an
@@ -334,7 +359,17 @@ pub fn projection(conn: &Connection, flow_id: &str) -> Result<Projection> {
     }
 }
 
-const INBOX_COLUMNS: &str = "event_id, flow_id, seq, kind, schema, body, state, reason";
+/// The columns `raw_inbox` reads, as a macro so the statements below are literals (built
+/// once at compile time, not formatted at every call).
+macro_rules! inbox_columns {
+    () => {
+        "event_id, flow_id, seq, kind, schema, body, state, reason"
+    };
+}
+
+/// The row at one (flow_id, seq).
+const INBOX_AT_SEQ_SQL: &str =
+    concat!("SELECT ", inbox_columns!(), " FROM inbox WHERE flow_id = ?1 AND seq = ?2");
 
 type RawInbox = (String, String, u64, String, u32, String, String, Option<String>);
 
@@ -370,10 +405,8 @@ pub enum Next {
 /// The row at exactly `next_seq` of the flow ("greater than last_seq" would skip a gap), or
 /// whether a later one waits.
 pub fn next_to_apply(conn: &Connection, flow_id: &str, next_seq: u64) -> Result<Next> {
-    let raw = conn
-        .prepare_cached(&format!("SELECT {INBOX_COLUMNS} FROM inbox WHERE flow_id = ?1 AND seq = ?2"))?
-        .query_row(params![flow_id, next_seq], raw_inbox)
-        .optional()?;
+    let raw =
+        conn.prepare_cached(INBOX_AT_SEQ_SQL)?.query_row(params![flow_id, next_seq], raw_inbox).optional()?;
     if let Some(raw) = raw {
         let row = inbox_record(raw)?;
         if row.state == InboxState::Applied {
@@ -491,8 +524,11 @@ pub fn apply_step(
 
 /// The flow's inbox rows in seq order.
 pub fn flow_inbox(conn: &Connection, flow_id: &str) -> Result<Vec<InboxRecord>> {
-    let mut stmt =
-        conn.prepare_cached(&format!("SELECT {INBOX_COLUMNS} FROM inbox WHERE flow_id = ?1 ORDER BY seq"))?;
+    let mut stmt = conn.prepare_cached(concat!(
+        "SELECT ",
+        inbox_columns!(),
+        " FROM inbox WHERE flow_id = ?1 ORDER BY seq"
+    ))?;
     let raws = stmt.query_map([flow_id], raw_inbox)?.collect::<rusqlite::Result<Vec<_>>>()?;
     raws.into_iter().map(inbox_record).collect()
 }
@@ -557,9 +593,8 @@ pub fn backlog(conn: &Connection, limit: usize) -> Result<(Vec<Backlog>, u64)> {
         .collect::<rusqlite::Result<_>>()?;
     let mut flows = Vec::with_capacity(groups.len());
     for (flow_id, waiting_rows, lowest_seq) in groups {
-        let raw = conn
-            .prepare_cached(&format!("SELECT {INBOX_COLUMNS} FROM inbox WHERE flow_id = ?1 AND seq = ?2"))?
-            .query_row(params![flow_id, lowest_seq], raw_inbox)?;
+        let raw =
+            conn.prepare_cached(INBOX_AT_SEQ_SQL)?.query_row(params![flow_id, lowest_seq], raw_inbox)?;
         flows.push(Backlog {
             projection: projection(conn, &flow_id)?,
             flow_id,
@@ -649,6 +684,78 @@ mod tests {
             conn.query_row("SELECT count(*) FROM inbox WHERE state <> 'applied'", [], |r| r.get(0)).unwrap();
         assert_eq!(stored, 2, "the counter matches the rows");
         assert_eq!(receive_capped(&mut conn, &reference("D", 1), 3), ReceiveOutcome::Accepted);
+    }
+
+    /// Opcodes of `sql` that build a temporary b-tree at every execution.
+    fn ephemeral_opens(conn: &Connection, sql: &str) -> usize {
+        let mut stmt = conn.prepare(&format!("EXPLAIN {sql}")).unwrap();
+        // Listing the program binds nothing: `raw_query` skips the parameter count check.
+        let ops: Vec<String> =
+            stmt.raw_query().mapped(|r| r.get(1)).collect::<rusqlite::Result<_>>().unwrap();
+        ops.iter().filter(|op| *op == "OpenEphemeral").count()
+    }
+
+    /// Every write a received and applied event makes to a checked row.
+    const STEP_WRITES: [&str; 4] = [
+        "INSERT INTO inbox(event_id, flow_id, seq, kind, schema, body, state, received_at_us)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'pending', ?7) ON CONFLICT DO NOTHING",
+        "UPDATE inbox SET state = 'applied', reason = NULL, applied_at_us = ?2
+         WHERE event_id = ?1 AND state <> 'applied'",
+        "INSERT INTO projection(flow_id, last_seq, state, held, amount) VALUES (?1, ?2, ?3, ?4, ?5)
+         ON CONFLICT(flow_id) DO NOTHING",
+        "UPDATE projection SET last_seq = ?2, state = ?3, held = ?4, amount = ?5
+         WHERE flow_id = ?1 AND last_seq = ?6 AND state = ?7 AND held = ?8 AND amount = ?9",
+    ];
+
+    #[test]
+    fn a_version_2_file_is_upgraded_and_no_step_builds_a_temporary_btree() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.db");
+        let v2 = DbKind::consumer(2, SCHEMA, &[IDENTITY_SQL]);
+        let mut conn = db::open(&path, &v2, db::OpenMode::Create).unwrap();
+        receive(&mut conn, &reference("A", 1));
+        assert!(
+            STEP_WRITES.iter().all(|sql| ephemeral_opens(&conn, sql) > 0),
+            "version 2 checks through temporary b-trees"
+        );
+        let upgraded = open(&path).unwrap();
+        // The other connection's next statement notices the changed schema cookie.
+        conn.query_row("SELECT count(*) FROM inbox", [], |r| r.get::<_, i64>(0)).unwrap();
+        for c in [&conn, &upgraded] {
+            for sql in STEP_WRITES {
+                assert_eq!(ephemeral_opens(c, sql), 0, "{sql}");
+            }
+        }
+        drop(conn);
+        let mut conn = upgraded;
+        assert_eq!(step(&mut conn, "A"), Some(StepOutcome::Applied));
+        for bad in [
+            "UPDATE inbox SET state = 'gone'",
+            "UPDATE inbox SET state = 'blocked', reason = 'tired'",
+            "UPDATE projection SET state = 'gone'",
+        ] {
+            let err = conn.execute(bad, []).unwrap_err();
+            assert!(err.to_string().contains("CHECK constraint failed"), "{bad}: {err}");
+        }
+        // Every allowed value still passes (rolled back: the row stays applied).
+        let tx = db::begin_immediate(&mut conn).unwrap();
+        for reason in ["unsupported_schema", "invalid_payload", "invalid_transition"] {
+            tx.execute("UPDATE inbox SET state = 'blocked', reason = ?1", [reason]).unwrap();
+        }
+        tx.execute("UPDATE inbox SET state = 'pending', reason = NULL", []).unwrap();
+        drop(tx);
+        // A new file gets the same definitions.
+        let fresh = open(&dir.path().join("new.db")).unwrap();
+        let sql = |c: &Connection| -> Vec<String> {
+            c.prepare("SELECT sql FROM sqlite_schema WHERE type = 'table' ORDER BY name")
+                .unwrap()
+                .query_map([], |r| r.get(0))
+                .unwrap()
+                .collect::<rusqlite::Result<_>>()
+                .unwrap()
+        };
+        assert_eq!(sql(&fresh), sql(&conn));
+        assert!(sql(&fresh).iter().all(|t| !t.contains(" IN (")), "{:?}", sql(&fresh));
     }
 
     fn plan(conn: &Connection, sql: &str, params: impl rusqlite::Params) -> String {

@@ -267,6 +267,11 @@ fn upgrade_schema(conn: &mut Connection, path: &Path, kind: &DbKind) -> Result<(
     for version in from..kind.user_version {
         tx.execute_batch(kind.upgrades[(version - 1) as usize]).map_err(sqlite)?;
     }
+    // An upgrade may edit a definition in place (`PRAGMA writable_schema`), which leaves the
+    // schema cookie as it was: bumping it makes every other connection to the file reload
+    // the schema instead of running with the definitions it read before.
+    let cookie: i64 = tx.query_row("PRAGMA schema_version", [], |r| r.get(0)).map_err(sqlite)?;
+    tx.pragma_update(None, "schema_version", cookie + 1).map_err(sqlite)?;
     tx.pragma_update(None, "user_version", kind.user_version).map_err(sqlite)?;
     tx.commit().map_err(sqlite)?;
     tracing::info!(path = %path.display(), kind = kind.name, from, to = kind.user_version, "upgraded database schema");

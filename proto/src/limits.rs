@@ -128,23 +128,25 @@ pub fn parse_payload(text: &str) -> Result<Payload, LimitError> {
             WireValue::Float if token == Some("-0") => WireValue::Int(0),
             other => other,
         };
-        let field = format!("{FIELD}.{key}");
+        // The field name is only built for an error: formatting it for every member of every
+        // accepted payload was an allocation and a format per member per event.
+        let field = || format!("{FIELD}.{key}");
         let scalar = match value {
             WireValue::Str(s) if s.len() > MAX_STRING_BYTES => {
                 return Err(LimitError::new(
-                    field,
+                    field(),
                     format!("strings must be at most {MAX_STRING_BYTES} UTF-8 bytes, got {}", s.len()),
                 ));
             }
             WireValue::Str(s) => Scalar::Str(s),
             WireValue::Int(n) if n.unsigned_abs() > MAX_SAFE_INT as u64 => {
-                return Err(out_of_range(field));
+                return Err(out_of_range(field()));
             }
             WireValue::Int(n) => Scalar::Int(n),
-            WireValue::BigInt => return Err(out_of_range(field)),
+            WireValue::BigInt => return Err(out_of_range(field())),
             WireValue::Float => {
                 return Err(LimitError::new(
-                    field,
+                    field(),
                     "numbers must be integers: a fraction, an exponent or an integer beyond 2^53 is rejected",
                 ));
             }
@@ -152,7 +154,7 @@ pub fn parse_payload(text: &str) -> Result<Payload, LimitError> {
             WireValue::Null => Scalar::Null,
             WireValue::Nested(what) => {
                 return Err(LimitError::new(
-                    field,
+                    field(),
                     format!("values must be scalars (string, integer, bool, null), got {what}"),
                 ));
             }

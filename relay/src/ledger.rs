@@ -64,12 +64,14 @@ impl Ledger {
             let now = runtime::now_us();
             let mut marked = false;
             for answer in &answers {
-                store::record_delivery(&tx, &answer.event_id, answer.answer, now)?;
-                let holds = answer.answer.holds_event();
-                if let (true, Some(consumer)) = (holds && answer.position > 0, &consumer_db) {
-                    store::record_accepted_by(&tx, &answer.event_id, consumer, answer.position)?;
-                }
-                marked |= holds;
+                let accepted_by = match &consumer_db {
+                    Some(consumer) if answer.position > 0 => {
+                        Some(store::AcceptedBy { consumer_db: consumer, position: answer.position })
+                    }
+                    _ => None,
+                };
+                store::record_delivery(&tx, &answer.event_id, answer.answer, now, accepted_by)?;
+                marked |= answer.answer.holds_event();
             }
             if marked {
                 crash.reach(CrashPoint::RelayAfterMark);
