@@ -143,6 +143,7 @@ impl ConsumerService {
                     Err(_) => Err(Status::unavailable("receive: the writer thread stopped (shutting down?)")),
                 },
             };
+            crate::metrics::count_receive(answer.as_ref().ok().map(|a| a.outcome));
             let failed = answer.is_err();
             if answers.send(answer).await.is_err() {
                 tracing::debug!("Receive client went away");
