@@ -12,7 +12,7 @@ use rusqlite::{Connection, OpenFlags};
 use crate::apply::Stop;
 use crate::rules::BlockReason;
 
-/// `Receive` answers by outcome (`error`: the stream failed before this envelope's answer).
+/// `Receive` answers by outcome (`error`: storing the envelope failed; the stream ends).
 pub static RECEIVE_OUTCOMES: Counters<7> = Counters::new(
     "ordered_events_consumer_receive",
     "Receive envelopes answered, by outcome.",
@@ -37,7 +37,7 @@ pub static APPLY_STOPS: Counters<7> = Counters::new(
     ],
 );
 
-/// Counts one `Receive` answer: its wire outcome, or `None` for a failed stream.
+/// Counts one `Receive` answer: its wire outcome, or `None` when storing it failed.
 pub fn count_receive(outcome: Option<i32>) {
     // Wire values 1..=6 are accepted..backlog_full; anything else counts as `error`.
     let index = outcome.map_or(6, |o| usize::try_from(o).unwrap_or(0).wrapping_sub(1));
