@@ -33,11 +33,12 @@ impl Expose for WriterFamilies {
         if registered.is_empty() {
             return Ok(());
         }
-        let mut sizes = encoder.encode_descriptor(SIZES_NAME, SIZES_HELP, None, MetricType::Histogram)?;
-        for writer in &registered {
-            writer.sizes.expose_samples(&mut sizes)?;
+        {
+            let mut sizes = encoder.encode_descriptor(SIZES_NAME, SIZES_HELP, None, MetricType::Histogram)?;
+            for writer in &registered {
+                writer.sizes.expose_samples(&mut sizes)?;
+            }
         }
-        drop(sizes);
         let mut durations =
             encoder.encode_descriptor(DURATIONS_NAME, DURATIONS_HELP, None, MetricType::Histogram)?;
         for writer in &registered {

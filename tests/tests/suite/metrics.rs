@@ -88,9 +88,9 @@ async fn metrics_count_what_the_pipeline_answered() {
         || {
             let out = std::fs::read_to_string(&relay.stdout).unwrap_or_default();
             out.lines()
+                .rev()
                 .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-                .filter(|v| v["type"] == "progress")
-                .last()
+                .find(|v| v["type"] == "progress")
                 .filter(|v| v["sent"] == 5)
         },
         || std::fs::read_to_string(&relay.stdout).unwrap_or_default(),
