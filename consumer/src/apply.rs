@@ -197,6 +197,7 @@ pub fn apply_flows(
     let mut next = 0;
     while next < runs.len() {
         let mut guard = lock(shared);
+        let started = std::time::Instant::now();
         let tx = match db::begin_immediate(&mut guard) {
             Ok(tx) => tx,
             Err(e) => {
@@ -274,7 +275,7 @@ pub fn apply_flows(
         match finished {
             Ok(()) => {
                 if applied_any {
-                    APPLY_BATCHES.record(runs.iter().map(|r| r.pending.len()).sum());
+                    APPLY_BATCHES.record_timed(runs.iter().map(|r| r.pending.len()).sum(), started);
                 }
                 for run in &mut runs {
                     let pending = std::mem::take(&mut run.pending);
@@ -311,6 +312,7 @@ pub fn apply_flows(
                     source: StoreError::Inconsistent("apply stopped before this flow was reached".into()),
                 }),
             };
+            crate::metrics::count_stop(outcome.as_ref().ok().map(|report| &report.stop));
             FlowResult { flow_id: run.flow_id, outcome }
         })
         .collect()

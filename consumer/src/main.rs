@@ -73,6 +73,8 @@ struct Args {
     auto_apply: bool,
     #[command(flatten)]
     server: runtime::ServerFlags,
+    #[command(flatten)]
+    metrics: runtime::metrics::MetricsFlags,
 }
 
 fn main() -> ExitCode {
@@ -81,6 +83,8 @@ fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
+    let exposition =
+        consumer::metrics::exposition(args.db.clone(), (args.max_pending > 0).then_some(args.max_pending));
     let service = consumer::ConsumerService::open(&consumer::Config {
         db: args.db,
         support_v2: args.support_v2,
@@ -94,6 +98,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         auto_apply: args.auto_apply,
     })?;
     let settings = args.server.serve.load()?;
+    runtime::metrics::serve_if_asked(&args.metrics, exposition).await?;
     runtime::run_server("consumer", args.listen, |listener, shutdown| {
         consumer::run(service, listener, shutdown, &settings)
     })

@@ -105,7 +105,7 @@ pub fn spawn(conn: Arc<Mutex<Connection>>, opts: WriterOptions) -> std::io::Resu
         );
         let committed = started.elapsed();
         let batch_len = jobs.len();
-        RECEIVE_BATCHES.record(batch_len);
+        RECEIVE_BATCHES.record_timed(batch_len, started);
         let mut touched = BTreeSet::new();
         for (job, result) in jobs.into_iter().zip(results) {
             if matches!(&result, Ok(r) if matches!(r.outcome, ReceiveOutcome::Accepted | ReceiveOutcome::Duplicate))

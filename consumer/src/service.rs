@@ -141,8 +141,14 @@ impl ConsumerService {
                     Ok(Ok(received)) => Ok(receive_result(event, &received)),
                     Ok(Err(status)) => Err(status),
                     Err(_) => Err(Status::unavailable("receive: the writer thread stopped (shutting down?)")),
-                },
+                }
+                // An envelope the writer failed to store is counted as `error`; a broken
+                // request stream (no envelope) is not an answer and is not counted.
+                .inspect_err(|_| crate::metrics::count_receive(None)),
             };
+            if let Ok(result) = &answer {
+                crate::metrics::count_receive(Some(result.outcome));
+            }
             let failed = answer.is_err();
             if answers.send(answer).await.is_err() {
                 tracing::debug!("Receive client went away");

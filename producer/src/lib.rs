@@ -2,6 +2,7 @@
 //! transaction (`store`), group-committing concurrent calls (`writer`), served over gRPC as
 //! `ordered_events.v1.Producer` (`service`).
 
+pub mod metrics;
 pub mod request;
 pub mod service;
 pub mod store;

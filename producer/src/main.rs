@@ -40,6 +40,8 @@ struct Args {
     max_unaccepted: u64,
     #[command(flatten)]
     server: runtime::ServerFlags,
+    #[command(flatten)]
+    metrics: runtime::metrics::MetricsFlags,
 }
 
 fn main() -> ExitCode {
@@ -48,6 +50,8 @@ fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
+    let max_unaccepted = (args.max_unaccepted > 0).then_some(args.max_unaccepted);
+    let exposition = producer::metrics::exposition(args.db.clone(), max_unaccepted);
     let service = producer::ProducerService::open(&producer::Config {
         db: args.db,
         crash: proto::crash::CrashSwitch::from_env()?,
@@ -55,6 +59,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         max_unaccepted: (args.max_unaccepted > 0).then_some(args.max_unaccepted),
     })?;
     let settings = args.server.serve.load()?;
+    runtime::metrics::serve_if_asked(&args.metrics, exposition).await?;
     runtime::run_server("producer", args.listen, |listener, shutdown| {
         producer::run(service, listener, shutdown, &settings)
     })

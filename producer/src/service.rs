@@ -16,6 +16,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 use tonic::{Request, Response, Status};
 
+use crate::metrics;
 use crate::request;
 use crate::store::{self, AdvanceOutcome, AdvanceReply, FlowRecord, OutboxRecord};
 use crate::writer::{self, AdvanceJob};
@@ -127,12 +128,25 @@ impl pb::producer_server::Producer for ProducerService {
     ) -> Result<Response<pb::AdvanceResponse>, Status> {
         let req = request.into_inner();
         let cmd = request::validate(&req).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let started = std::time::Instant::now();
         let (reply, answer) = oneshot::channel();
         let writer_gone = || Status::unavailable("advance: the writer thread stopped (shutting down?)");
-        self.writer.send(AdvanceJob { cmd, reply }).await.map_err(|_| writer_gone())?;
-        let reply = answer.await.map_err(|_| writer_gone())??;
-        let outcome = pb::AdvanceOutcome::try_from(&reply.outcome)
-            .map_err(|NotAnAnswer { unaccepted }| outbox_full(unaccepted))?;
+        let counted = |index: usize| {
+            metrics::ADVANCE_OUTCOMES.inc(index);
+            metrics::ADVANCE_LATENCY.observe_since(started);
+        };
+        let sent = self.writer.send(AdvanceJob { cmd, reply }).await;
+        let reply = match sent {
+            Ok(()) => answer.await.map_err(|_| writer_gone()).and_then(|r| r),
+            Err(_) => Err(writer_gone()),
+        }
+        .inspect_err(|_| counted(metrics::ADVANCE_ERROR))?;
+        let outcome =
+            pb::AdvanceOutcome::try_from(&reply.outcome).map_err(|NotAnAnswer { unaccepted }| {
+                counted(5);
+                outbox_full(unaccepted)
+            })?;
+        counted(outcome_index(outcome));
         tracing::debug!(flow_id = %req.flow_id, event_id = %req.event_id, outcome = ?reply.outcome, "advance");
         Ok(Response::new(pb::AdvanceResponse {
             outcome: outcome as i32,
@@ -180,6 +194,18 @@ impl pb::producer_server::Producer for ProducerService {
                 })
                 .collect(),
         }))
+    }
+}
+
+/// The [`metrics::ADVANCE_OUTCOMES`] label of an answered outcome.
+fn outcome_index(outcome: pb::AdvanceOutcome) -> usize {
+    match outcome {
+        pb::AdvanceOutcome::Committed => 0,
+        pb::AdvanceOutcome::Existing => 1,
+        pb::AdvanceOutcome::Conflict => 2,
+        pb::AdvanceOutcome::Stale => 3,
+        pb::AdvanceOutcome::InvalidTransition => 4,
+        _ => metrics::ADVANCE_ERROR,
     }
 }
 

@@ -42,7 +42,7 @@ pub fn spawn(
             let started = std::time::Instant::now();
             let results =
                 { advance_batch(&mut runtime::blocking::lock(&conn), &cmds, &crash, max_unaccepted) };
-            ADVANCE_BATCHES.record(cmds.len());
+            ADVANCE_BATCHES.record_timed(cmds.len(), started);
             tracing::debug!(calls = cmds.len(), us = started.elapsed().as_micros() as u64, "advance batch");
             for (reply, result) in replies.into_iter().zip(results) {
                 // The caller may have gone away (deadline, disconnect); its answer is moot.

@@ -59,7 +59,9 @@ pub async fn run(
     let mut reconnect = Backoff::new(RECONNECT_FIRST, settings.max_backoff);
     let mut link = LinkState::Starting;
     let mut session: Option<Session> = None;
+    let mut progress = Progress { at: Instant::now(), sent: 0 };
     while !stop.requested() {
+        progress.maybe_write(report, settings);
         let Some(active) = session.as_mut() else {
             let opened = tokio::select! {
                 opened = Session::open(&config.link, config.window, Duration::ZERO, ledger) => opened,
@@ -118,6 +120,27 @@ pub async fn run(
     }
     tracing::info!(sent = report.sent(), "relay stopped");
     Ok(())
+}
+
+/// When `run` last wrote its `progress` line and how many answers it had counted then.
+struct Progress {
+    at: Instant,
+    sent: u64,
+}
+
+impl Progress {
+    /// Writes a `progress` line (without per-delivery lines) once the interval has passed,
+    /// if anything was answered since the last one: an idle relay stays quiet.
+    fn maybe_write(&mut self, report: &mut Report, settings: RunSettings) {
+        if settings.delivery_lines || self.at.elapsed() < settings.summary_interval {
+            return;
+        }
+        self.at = Instant::now();
+        if report.sent() != self.sent {
+            self.sent = report.sent();
+            report.progress("run");
+        }
+    }
 }
 
 /// Logs a link failure once per change of kind; the retries after it log at debug only.

@@ -60,6 +60,7 @@ impl Ledger {
     pub async fn record(&self, answers: Vec<Recorded>) -> rusqlite::Result<()> {
         let consumer_db = runtime::blocking::lock(&self.consumer_db).clone();
         self.blocking(move |conn, crash| {
+            let started = std::time::Instant::now();
             let tx = db::begin_immediate(conn)?;
             let now = runtime::now_us();
             let mut marked = false;
@@ -77,7 +78,7 @@ impl Ledger {
                 crash.reach(CrashPoint::RelayAfterMark);
             }
             tx.commit()?;
-            MARK_BATCHES.record(answers.len());
+            MARK_BATCHES.record_timed(answers.len(), started);
             tracing::debug!(answers = answers.len(), "answers recorded");
             if marked {
                 crash.reach(CrashPoint::RelayAfterMarkCommit);

@@ -89,6 +89,10 @@ pub struct RunSettings {
     pub poll_interval: Duration,
     /// The cap of the reconnect (and deferred-flow retry) backoff.
     pub max_backoff: Duration,
+    /// Write a `delivery` line per answer (otherwise only periodic `progress` lines).
+    pub delivery_lines: bool,
+    /// How often a `progress` line is written when something was delivered since the last.
+    pub summary_interval: Duration,
 }
 
 /// How to reach the consumer and how long it may stay silent.
@@ -128,6 +132,12 @@ pub struct Config {
     pub crash: CrashSwitch,
 }
 
+/// What the relay's `/metrics` serves: deliveries by answer and its mark transactions.
+pub fn metrics_exposition() -> runtime::metrics::Exposition {
+    static FAMILIES: [&dyn runtime::metrics::Expose; 2] = [&output::DELIVERIES, &runtime::batches::FAMILIES];
+    runtime::metrics::Exposition::new(&FAMILIES, None)
+}
+
 /// Runs the relay in `config.mode` and returns its exit code (see [`decision::exit_code`]);
 /// operational failures are errors (exit code 1). `shutdown` ends every mode: `run` exits
 /// normally, the others with [`RelayError::Interrupted`].
@@ -137,7 +147,8 @@ pub async fn run(
 ) -> Result<u8, RelayError> {
     let stop = stop::Stop::on(shutdown);
     let ledger = ledger::Ledger::open(&config.producer_db, config.crash)?;
-    let mut report = output::Report::default();
+    let per_delivery = !matches!(&config.mode, Mode::Run(settings) if !settings.delivery_lines);
+    let mut report = output::Report::new(per_delivery);
     match &config.mode {
         Mode::Once => oneshot::once(&config, &ledger, &mut report, &stop).await?,
         Mode::Send { event_id } => oneshot::send(&config, &ledger, event_id, &mut report, &stop).await?,

@@ -11,8 +11,9 @@ use runtime::serve::LogFormat;
 /// a row accepted only after the consumer answered ACCEPTED or DUPLICATE (it durably holds
 /// the event). Conflicts and rejections are never marked: they wait for an operator.
 ///
-/// stdout carries JSON lines only: one {"type":"delivery",...} per answered envelope and a
-/// final {"type":"summary",...}. Exit codes: 0 every answer ACCEPTED/DUPLICATE (or idle);
+/// stdout carries JSON lines only: one {"type":"delivery",...} per answered envelope (`run`:
+/// only with --delivery-lines; otherwise a periodic {"type":"progress",...}) and a final
+/// {"type":"summary",...}. Exit codes: 0 every answer ACCEPTED/DUPLICATE (or idle);
 /// 3 at least one row left unaccepted by a conflict or rejection; 4 no refusal, but a row
 /// left unaccepted by an answer the relay does not understand or by a full backlog; 1
 /// operational error (consumer unreachable or stopped answering, database unusable, a signal
@@ -83,6 +84,10 @@ struct Args {
     /// Log format on stderr.
     #[arg(long, env = "ORDERED_EVENTS_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
     log_format: LogFormat,
+    /// Serve Prometheus metrics on `GET http://ADDR/metrics` (no token; port 0 picks a free
+    /// port, logged as `metrics serving`). Off when unset.
+    #[arg(long, env = "ORDERED_EVENTS_METRICS_LISTEN", value_name = "ADDR", global = true)]
+    metrics_listen: Option<std::net::SocketAddr>,
     #[command(subcommand)]
     mode: ModeArg,
 }
@@ -122,6 +127,27 @@ enum ModeArg {
         /// Cap of the reconnect backoff (and of a deferred flow's retry), in milliseconds.
         #[arg(long, env = "ORDERED_EVENTS_RELAY_MAX_BACKOFF_MS", default_value_t = 5000, value_parser = clap::value_parser!(u64).range(1..))]
         max_backoff_ms: u64,
+        /// Write a {"type":"delivery",...} line per answered envelope, as the other modes do.
+        /// Off by default: at high rates they flood whatever reads stdout; `run` then writes a
+        /// periodic {"type":"progress",...} line and logs state changes on stderr.
+        /// The environment twin takes true/false, 1/0, yes/no, on/off.
+        #[arg(
+            long,
+            env = "ORDERED_EVENTS_RELAY_DELIVERY_LINES",
+            action = clap::ArgAction::SetTrue,
+            value_parser = clap::builder::BoolishValueParser::new()
+        )]
+        delivery_lines: bool,
+        /// How often, in milliseconds, `run` writes its {"type":"progress",...} line (counts
+        /// so far) when something was delivered since the last one.
+        #[arg(
+            long,
+            env = "ORDERED_EVENTS_RELAY_SUMMARY_INTERVAL_MS",
+            value_name = "MS",
+            default_value_t = 10_000,
+            value_parser = clap::value_parser!(u64).range(100..=86_400_000)
+        )]
+        summary_interval_ms: u64,
     },
 }
 
@@ -131,10 +157,14 @@ async fn main() -> ExitCode {
     runtime::serve::init_tracing(args.log_format);
     runtime::alloc::tune_allocation();
     let shutdown = runtime::serve::shutdown_signal();
+    let metrics = runtime::metrics::MetricsFlags { metrics_listen: args.metrics_listen };
     let ended = match config(args) {
-        Ok(config) => {
-            relay::run(config, shutdown).await.map_err(|e| Failure { code: 1, message: e.to_string() })
-        }
+        Ok(config) => match runtime::metrics::serve_if_asked(&metrics, relay::metrics_exposition()).await {
+            Ok(_) => {
+                relay::run(config, shutdown).await.map_err(|e| Failure { code: 1, message: e.to_string() })
+            }
+            Err(e) => Err(Failure::operational(e)),
+        },
         Err(failure) => Err(failure),
     };
     runtime::batches::log_all();
@@ -178,10 +208,14 @@ fn config(args: Args) -> Result<relay::Config, Failure> {
         ModeArg::Drain { max_stall_ms } => {
             relay::Mode::Drain(relay::DrainSettings { max_stall: Duration::from_millis(max_stall_ms) })
         }
-        ModeArg::Run { poll_ms, max_backoff_ms } => relay::Mode::Run(relay::RunSettings {
-            poll_interval: Duration::from_millis(poll_ms),
-            max_backoff: Duration::from_millis(max_backoff_ms),
-        }),
+        ModeArg::Run { poll_ms, max_backoff_ms, delivery_lines, summary_interval_ms } => {
+            relay::Mode::Run(relay::RunSettings {
+                poll_interval: Duration::from_millis(poll_ms),
+                max_backoff: Duration::from_millis(max_backoff_ms),
+                delivery_lines,
+                summary_interval: Duration::from_millis(summary_interval_ms),
+            })
+        }
     };
     let token = args
         .token_file

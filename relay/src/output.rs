@@ -23,9 +23,46 @@ pub struct Report {
     left_unaccepted: BTreeMap<String, Disposition>,
     /// Delivery lines not yet written to stdout.
     pending: String,
+    /// `run` without `--delivery-lines` writes none (counts and metrics only).
+    quiet_deliveries: bool,
+}
+
+/// Relay deliveries by the consumer's answer (one atomic add per answer).
+pub static DELIVERIES: runtime::metrics::Counters<8> = runtime::metrics::Counters::new(
+    "ordered_events_relay_deliveries",
+    "Envelopes the consumer answered, by answer.",
+    "answer",
+    [
+        "accepted",
+        "duplicate",
+        "id_conflict",
+        "sequence_conflict",
+        "rejected",
+        "backlog_full",
+        "unspecified",
+        "unknown",
+    ],
+);
+
+fn answer_index(answer: DeliveryAnswer) -> usize {
+    match answer {
+        DeliveryAnswer::Accepted => 0,
+        DeliveryAnswer::Duplicate => 1,
+        DeliveryAnswer::IdConflict => 2,
+        DeliveryAnswer::SequenceConflict => 3,
+        DeliveryAnswer::Rejected => 4,
+        DeliveryAnswer::BacklogFull => 5,
+        DeliveryAnswer::Unspecified => 6,
+        DeliveryAnswer::Unknown(_) => 7,
+    }
 }
 
 impl Report {
+    /// A report that writes a `delivery` line per answer (`per_delivery`), or only counts.
+    pub fn new(per_delivery: bool) -> Report {
+        Report { quiet_deliveries: !per_delivery, ..Report::default() }
+    }
+
     /// Notes one recorded answer and queues its `delivery` line.
     pub fn delivery(
         &mut self,
@@ -36,6 +73,7 @@ impl Report {
         detail: &str,
     ) {
         self.sent += 1;
+        DELIVERIES.inc(answer_index(answer));
         let word = answer.word();
         *self.counts.entry(word.clone().into_owned()).or_default() += 1;
         match decision::disposition(answer) {
@@ -45,6 +83,9 @@ impl Report {
             other => {
                 self.left_unaccepted.insert(event_id.to_owned(), other);
             }
+        }
+        if self.quiet_deliveries {
+            return;
         }
         let mut line = json!({
             "type": "delivery",
@@ -91,6 +132,15 @@ impl Report {
             "idle": self.sent == 0,
         });
         (summary, decision::exit_code(self.left_unaccepted.values().copied()))
+    }
+
+    /// Writes a `progress` line: the summary so far (`run`'s periodic report when it writes
+    /// no delivery lines).
+    pub fn progress(&mut self, mode: &str) {
+        self.flush();
+        let (mut line, _) = self.summary(mode);
+        line["type"] = json!("progress");
+        write_out(&format!("{line}\n"));
     }
 
     /// Writes the final `summary` line and returns the exit code (see [`decision::exit_code`]).

@@ -2,9 +2,55 @@
 //! transaction, nothing per event) and logged once when the process stops. The work per
 //! event depends on them, so a measurement (the benchmark's instruction count) reports them
 //! beside its figure. It owns no data: losing the counts (a crash) loses nothing.
+//! The same transactions feed the Prometheus histograms of sizes and durations per writer
+//! ([`FAMILIES`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, Once};
+
+use prometheus_client::encoding::DescriptorEncoder;
+use prometheus_client::metrics::MetricType;
+
+use crate::metrics::{Expose, Histogram};
+
+const SIZES_NAME: &str = "ordered_events_transaction_items";
+const SIZES_HELP: &str = "Items (calls, envelopes, steps, answers) per writer transaction.";
+const DURATIONS_NAME: &str = "ordered_events_transaction_duration_seconds";
+const DURATIONS_HELP: &str = "Time from BEGIN to the end of COMMIT of one writer transaction.";
+
+/// The Prometheus families of every writer that recorded a transaction in this process:
+/// transaction sizes and durations, labelled `writer`.
+pub static FAMILIES: WriterFamilies = WriterFamilies;
+
+/// See [`FAMILIES`].
+pub struct WriterFamilies;
+
+impl Expose for WriterFamilies {
+    fn expose(&self, encoder: &mut DescriptorEncoder) -> std::fmt::Result {
+        // Read under the registration lock, per scrape only; the writers never take it
+        // after their first transaction.
+        let registered = REGISTERED.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if registered.is_empty() {
+            return Ok(());
+        }
+        {
+            let mut sizes = encoder.encode_descriptor(SIZES_NAME, SIZES_HELP, None, MetricType::Histogram)?;
+            for writer in &registered {
+                writer.sizes.expose_samples(&mut sizes)?;
+            }
+        }
+        let mut durations =
+            encoder.encode_descriptor(DURATIONS_NAME, DURATIONS_HELP, None, MetricType::Histogram)?;
+        for writer in &registered {
+            writer.durations.expose_samples(&mut durations)?;
+        }
+        Ok(())
+    }
+
+    fn family(&self) -> &'static str {
+        SIZES_NAME
+    }
+}
 
 /// Buckets of the histogram: 1, 2–3, 4–7, …, 2^(B−1) and more.
 const BUCKETS: usize = 13;
@@ -18,6 +64,8 @@ pub struct BatchSizes {
     items: AtomicU64,
     max: AtomicU64,
     by_power_of_two: [AtomicU64; BUCKETS],
+    sizes: Histogram,
+    durations: Histogram,
 }
 
 static REGISTERED: Mutex<Vec<&'static BatchSizes>> = Mutex::new(Vec::new());
@@ -32,6 +80,8 @@ impl BatchSizes {
             items: AtomicU64::new(0),
             max: AtomicU64::new(0),
             by_power_of_two: [const { AtomicU64::new(0) }; BUCKETS],
+            sizes: Histogram::items(SIZES_NAME, SIZES_HELP, Some(("writer", writer))),
+            durations: Histogram::seconds(DURATIONS_NAME, DURATIONS_HELP, Some(("writer", writer))),
         }
     }
 
@@ -44,6 +94,14 @@ impl BatchSizes {
         self.max.fetch_max(items, Ordering::Relaxed);
         let bucket = (u64::BITS - items.max(1).leading_zeros() - 1) as usize;
         self.by_power_of_two[bucket.min(BUCKETS - 1)].fetch_add(1, Ordering::Relaxed);
+        self.sizes.observe(items);
+    }
+
+    /// Counts one transaction of `items` items that began at `started` and has just ended
+    /// (committed or not).
+    pub fn record_timed(&'static self, items: usize, started: std::time::Instant) {
+        self.record(items);
+        self.durations.observe_since(started);
     }
 
     /// `1:5 2-3:7 4-7:0 …` up to the largest non-empty bucket.

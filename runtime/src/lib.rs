@@ -1,7 +1,8 @@
 //! The process runtime the producer, consumer and relay share: start-up and exit
 //! (`process`), logging, serving with health and reflection, and shutdown (`serve`),
 //! authentication (`auth`), the group-commit writer thread (`group`), blocking work beside
-//! the async runtime (`blocking`) and allocation settings (`alloc`). Nothing here crosses the
+//! the async runtime (`blocking`) allocation settings (`alloc`) and
+//! Prometheus metrics (`metrics`). Nothing here crosses the
 //! wire; that is `proto`.
 
 pub mod alloc;
@@ -9,6 +10,7 @@ pub mod auth;
 pub mod batches;
 pub mod blocking;
 pub mod group;
+pub mod metrics;
 pub mod process;
 pub mod serve;
 pub mod server_limits;

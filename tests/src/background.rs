@@ -17,7 +17,8 @@ pub struct RelayDaemon {
 }
 
 impl RelayDaemon {
-    /// Starts `relay --producer-db DB --consumer URL run <extra…>`.
+    /// Starts `relay --producer-db DB --consumer URL run --delivery-lines <extra…>` (with its
+    /// line per delivery, which the tests and the chaos checker read).
     pub fn start(
         dir: &Path,
         name: &str,
@@ -26,7 +27,7 @@ impl RelayDaemon {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> RelayDaemon {
-        let mut args = vec!["run"];
+        let mut args = vec!["run", "--delivery-lines"];
         args.extend_from_slice(extra);
         Self::start_mode(dir, name, producer_db, consumer_url, &args, env)
     }

@@ -12,6 +12,7 @@ pub mod proc;
 pub mod race;
 pub mod rng;
 pub mod scenarios;
+pub mod scrape;
 
 pub use proc::{Consumer, Finished, Producer, RelayRun, Workdir, bin_path, relay, run_to_exit};
 

@@ -11,6 +11,7 @@ mod consumer_race;
 mod hostile;
 mod limits;
 mod malformed;
+mod metrics;
 mod model;
 mod producer;
 mod relay;

@@ -1,0 +1,154 @@
+//! Prometheus metrics over real processes: a producer, a consumer and a `relay run`, each
+//! with `--metrics-listen 127.0.0.1:0`, go through commits, retries and conflicts, a gap and
+//! a block; their `/metrics` is scraped with an HTTP client, parsed as Prometheus text, and
+//! the values are checked against the answers the test itself saw.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use harness::background::{RelayDaemon, wait_for};
+use harness::scrape::{Metrics, get, metrics_addr};
+use harness::{Consumer, Producer, Workdir, advance, db, envelope};
+use proto::pb::{AdvanceOutcome, ApplyStop, ReceiveOutcome};
+
+const DEADLINE: Duration = Duration::from_secs(30);
+const METRICS: [&str; 2] = ["--metrics-listen", "127.0.0.1:0"];
+
+fn addr_in(log: impl Fn() -> String) -> String {
+    wait_for(DEADLINE, || metrics_addr(&log()), &log)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_what_the_pipeline_answered() {
+    let work = Workdir::new();
+    let producer = Producer::start_with(&work, &METRICS);
+    let consumer = Consumer::start_with(&work, &METRICS);
+    let producer_metrics = addr_in(|| producer.process.log_text());
+    let consumer_metrics = addr_in(|| consumer.process.log_text());
+
+    // Only /metrics is served.
+    assert_eq!(get(&producer_metrics, "/").await.0, 404);
+    assert_eq!(get(&consumer_metrics, "/healthz").await.0, 404);
+
+    // Producer: flow A (three steps), flow B (schema 1 then schema 2, which this consumer
+    // cannot decode), a retry, a conflicting retry and a stale call. Tally what it answered.
+    let mut answered: BTreeMap<&str, f64> = BTreeMap::new();
+    let mut answers = producer.advance_steps("A", 0, &[1, 1, 1]).await;
+    answers.extend(producer.advance_steps("B", 0, &[1, 2]).await);
+    answers.push(producer.advance(advance("A", "A1", 0, "reserved", 1)).await);
+    answers.push(producer.advance(advance("A", "A1", 0, "reserved", 2)).await);
+    answers.push(producer.advance(advance("A", "A9", 1, "confirmed", 1)).await);
+    for a in &answers {
+        let label = match AdvanceOutcome::try_from(a.outcome) {
+            Ok(AdvanceOutcome::Committed) => "committed",
+            Ok(AdvanceOutcome::Existing) => "existing",
+            Ok(AdvanceOutcome::Conflict) => "conflict",
+            Ok(AdvanceOutcome::Stale) => "stale",
+            Ok(AdvanceOutcome::InvalidTransition) => "invalid_transition",
+            other => panic!("unexpected answer {other:?}"),
+        };
+        *answered.entry(label).or_default() += 1.0;
+    }
+    assert_eq!(answered.get("committed"), Some(&5.0), "{answered:?}");
+    assert!(answered.len() >= 3, "the retries got no distinct answers: {answered:?}");
+    let m = Metrics::scrape(&producer_metrics).await;
+    for outcome in
+        ["committed", "existing", "conflict", "stale", "invalid_transition", "outbox_full", "error"]
+    {
+        let expected = answered.get(outcome).copied().unwrap_or(0.0);
+        assert_eq!(
+            m.get("ordered_events_producer_advance_total", &[("outcome", outcome)]),
+            expected,
+            "{outcome}"
+        );
+    }
+    assert_eq!(m.get("ordered_events_producer_advance_duration_seconds_count", &[]), answers.len() as f64);
+    assert_eq!(m.get("ordered_events_producer_outbox_unaccepted", &[]), 5.0);
+    assert!(m.get("ordered_events_producer_outbox_oldest_unaccepted_age_seconds", &[]) > 0.0);
+    assert_eq!(m.get("ordered_events_producer_outbox_cap", &[]), 1_000_000.0);
+    assert_eq!(m.get("ordered_events_producer_outbox_fill_ratio", &[]), 5.0 / 1_000_000.0);
+    // Every call went through the writer in some transaction, counted with its size.
+    assert_eq!(m.get("ordered_events_transaction_items_sum", &[("writer", "advance")]), answers.len() as f64);
+    m.save("producer");
+
+    // The relay delivers all five without a line per delivery; its progress line says so.
+    let url = consumer.process.url();
+    let relay_args = ["--summary-interval-ms", "100", METRICS[0], METRICS[1]];
+    let mut args = vec!["run"];
+    args.extend(relay_args);
+    let relay = RelayDaemon::start_mode(work.dir.path(), "relay", &producer.db, &url, &args, &[]);
+    let relay_metrics = addr_in(|| relay.log_text());
+    wait_for(
+        DEADLINE,
+        || db::outbox(&producer.db).iter().all(|r| r.accepted).then_some(()),
+        || format!("{:?}", db::outbox(&producer.db)),
+    );
+    let progress = wait_for(
+        DEADLINE,
+        || {
+            let out = std::fs::read_to_string(&relay.stdout).unwrap_or_default();
+            out.lines()
+                .rev()
+                .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                .find(|v| v["type"] == "progress")
+                .filter(|v| v["sent"] == 5)
+        },
+        || std::fs::read_to_string(&relay.stdout).unwrap_or_default(),
+    );
+    assert_eq!(progress["counts"]["ACCEPTED"], 5, "{progress}");
+    let m = Metrics::scrape(&relay_metrics).await;
+    assert_eq!(m.get("ordered_events_relay_deliveries_total", &[("answer", "accepted")]), 5.0);
+    assert_eq!(m.get("ordered_events_relay_deliveries_total", &[("answer", "sequence_conflict")]), 0.0);
+    assert_eq!(m.get("ordered_events_transaction_items_sum", &[("writer", "mark")]), 5.0);
+    m.save("relay");
+    let run = relay.terminate(DEADLINE);
+    assert_eq!(run.code, Some(0), "{run:?}");
+    assert_eq!(run.deliveries().count(), 0, "run wrote delivery lines without --delivery-lines");
+    let m = Metrics::scrape(&producer_metrics).await;
+    assert_eq!(m.get("ordered_events_producer_outbox_unaccepted", &[]), 0.0);
+    assert_eq!(m.get("ordered_events_producer_outbox_oldest_unaccepted_age_seconds", &[]), 0.0);
+
+    // Consumer, directly: a gap (G2 without G1), an id conflict and a sequence conflict.
+    let mut conflicting = envelope("A", 1, "reserved", 1, r#"{"amount":4}"#);
+    conflicting.event_id = "A1".into();
+    let mut squatter = envelope("A", 2, "confirmed", 1, r#"{"amount":3}"#);
+    squatter.event_id = "Z2".into();
+    let results = consumer
+        .receive(vec![envelope("G", 2, "confirmed", 1, r#"{"amount":3}"#), conflicting, squatter])
+        .await;
+    let outcomes: Vec<_> = results.iter().map(|r| ReceiveOutcome::try_from(r.outcome)).collect();
+    assert_eq!(
+        outcomes,
+        [Ok(ReceiveOutcome::Accepted), Ok(ReceiveOutcome::IdConflict), Ok(ReceiveOutcome::SequenceConflict)],
+        "{results:?}"
+    );
+    let a = consumer.apply("A").await;
+    let b = consumer.apply("B").await;
+    let g = consumer.apply("G").await;
+    assert_eq!((a.applied, a.stop), (3, ApplyStop::Idle as i32));
+    assert_eq!((b.applied, b.stop), (1, ApplyStop::Blocked as i32));
+    assert_eq!((g.applied, g.stop), (0, ApplyStop::Gap as i32));
+
+    let m = Metrics::scrape(&consumer_metrics).await;
+    let receive = |outcome| m.get("ordered_events_consumer_receive_total", &[("outcome", outcome)]);
+    assert_eq!(receive("accepted"), 6.0);
+    assert_eq!(receive("id_conflict"), 1.0);
+    assert_eq!(receive("sequence_conflict"), 1.0);
+    assert_eq!(receive("duplicate") + receive("rejected") + receive("backlog_full") + receive("error"), 0.0);
+    let stops = |stop| m.get("ordered_events_consumer_apply_stops_total", &[("stop", stop)]);
+    assert_eq!(stops("idle"), 1.0);
+    assert_eq!(stops("gap"), 1.0);
+    assert_eq!(stops("blocked_unsupported_schema"), 1.0);
+    assert_eq!(stops("blocked_invalid_payload") + stops("limit") + stops("error"), 0.0);
+    // B2 (blocked) and G2 (behind the gap) wait.
+    assert_eq!(m.get("ordered_events_consumer_inbox_unapplied", &[]), 2.0);
+    assert_eq!(m.get("ordered_events_consumer_backlog_fill_ratio", &[]), 2.0 / 1_000_000.0);
+    assert_eq!(m.get("ordered_events_transaction_items_sum", &[("writer", "apply")]), 4.0);
+    assert_eq!(m.get("ordered_events_transaction_items_sum", &[("writer", "receive")]), 8.0);
+    assert!(m.get("ordered_events_transaction_duration_seconds_count", &[("writer", "receive")]) >= 1.0);
+    m.save("consumer");
+
+    // A scraper that does not ask for OpenMetrics gets the classic text format.
+    let (status, content_type, _) = get(&consumer_metrics, "/metrics").await;
+    assert_eq!((status, content_type.as_str()), (200, "text/plain; version=0.0.4; charset=utf-8"));
+}
