@@ -156,3 +156,22 @@ pub fn poll<T>(deadline: Duration, mut check: impl FnMut() -> Option<T>) -> Opti
         pause = (pause * 2).min(Duration::from_millis(50));
     }
 }
+
+/// The async form of [`poll`], for predicates that make RPCs: awaits `check` until it returns
+/// `Some` or `deadline` passes (then `None`).
+pub async fn poll_async<T>(deadline: Duration, mut check: impl AsyncFnMut() -> Option<T>) -> Option<T> {
+    let until = tokio::time::Instant::now() + deadline;
+    let mut pause = Duration::from_millis(2);
+    loop {
+        if let Some(v) = check().await {
+            return Some(v);
+        }
+        let now = tokio::time::Instant::now();
+        if now >= until {
+            return None;
+        }
+        // A pause between polls of a predicate, not a guess at how long something takes.
+        tokio::time::sleep_until((now + pause).min(until)).await;
+        pause = (pause * 2).min(Duration::from_millis(50));
+    }
+}

@@ -103,17 +103,17 @@ async fn wait_until<T: std::fmt::Debug>(
     deadline: Duration,
     mut probe: impl AsyncFnMut() -> (bool, T),
 ) -> T {
-    let until = tokio::time::Instant::now() + deadline;
-    loop {
+    let mut last = None;
+    let done = harness::background::poll_async(deadline, async || {
         let (done, seen) = probe().await;
         if done {
-            return seen;
+            return Some(seen);
         }
-        if tokio::time::Instant::now() >= until {
-            panic!("{what}: not within {deadline:?}; last seen {seen:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+        last = Some(seen);
+        None
+    })
+    .await;
+    done.unwrap_or_else(|| panic!("{what}: not within {deadline:?}; last seen {last:?}"))
 }
 
 /// The consumer at its default caps (256 connections, 1024 streams), with a token: three

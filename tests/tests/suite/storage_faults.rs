@@ -105,17 +105,16 @@ async fn health(url: &str) -> Option<ServingStatus> {
 
 /// Polls health until it reports `want`, or panics with what it reported last.
 async fn wait_health(consumer: &Consumer, want: ServingStatus) {
-    let until = Instant::now() + DEADLINE;
+    let url = consumer.process.url();
     let mut last = None;
-    while Instant::now() < until {
-        last = health(&consumer.process.url()).await;
-        if last == Some(want) {
-            return;
-        }
-        // A pause between polls of a predicate, not a guess at how long something takes.
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    let reached = harness::background::poll_async(DEADLINE, async || {
+        last = health(&url).await;
+        (last == Some(want)).then_some(())
+    })
+    .await;
+    if reached.is_none() {
+        panic!("health never {want:?} (last {last:?}); log:\n{}", consumer.process.log_text());
     }
-    panic!("health never {want:?} (last {last:?}); log:\n{}", consumer.process.log_text());
 }
 
 /// How the test makes consumer.db's storage fail.
