@@ -4,10 +4,8 @@
 //! connection of its own (never a `COUNT(*)`, never the writer's lock).
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
 
 use runtime::metrics::{Counters, Expose, Exposition, GaugeSample};
-use rusqlite::{Connection, OpenFlags};
 
 use crate::apply::Stop;
 use crate::rules::BlockReason;
@@ -62,16 +60,8 @@ static FAMILIES: [&dyn Expose; 3] = [&RECEIVE_OUTCOMES, &APPLY_STOPS, &runtime::
 
 /// What `/metrics` serves for a consumer on `db` whose backlog cap is `cap` (`None`: none).
 pub fn exposition(db: PathBuf, cap: Option<u64>) -> Exposition {
-    let conn: Mutex<Option<Connection>> = Mutex::new(None);
-    let read = move || -> Result<Vec<GaugeSample>, String> {
-        let mut conn = conn.lock().unwrap_or_else(|p| p.into_inner());
-        if conn.is_none() {
-            let opened = Connection::open_with_flags(&db, OpenFlags::SQLITE_OPEN_READ_ONLY)
-                .map_err(|e| format!("{}: {e}", db.display()))?;
-            *conn = Some(opened);
-        }
-        let Some(conn) = conn.as_ref() else { return Ok(Vec::new()) };
-        let unapplied = crate::store::unapplied_count(conn).map_err(|e| e.to_string())?;
+    let read = move |conn: &rusqlite::Connection| -> crate::store::Result<Vec<GaugeSample>> {
+        let unapplied = crate::store::unapplied_count(conn)?;
         let mut gauges = vec![GaugeSample {
             name: "ordered_events_consumer_inbox_unapplied",
             help: "Inbox rows stored and not yet applied (pending and blocked).",
@@ -94,5 +84,5 @@ pub fn exposition(db: PathBuf, cap: Option<u64>) -> Exposition {
         }
         Ok(gauges)
     };
-    Exposition::new(&FAMILIES, Some(Arc::new(read)))
+    Exposition::new(&FAMILIES, Some(runtime::metrics::gauges_from_db(db, read)))
 }

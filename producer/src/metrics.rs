@@ -4,10 +4,9 @@
 //! The scrape reads through its own read-only connection, so it never waits on the writer.
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
 
 use runtime::metrics::{Counters, Expose, Exposition, GaugeSample, Histogram};
-use rusqlite::{Connection, OpenFlags};
+use rusqlite::Connection;
 
 /// `Advance` answers by outcome (`error`: storage or writer failure, `outbox_full`:
 /// RESOURCE_EXHAUSTED; invalid arguments are not counted).
@@ -37,18 +36,7 @@ pub fn exposition(db: PathBuf, cap: Option<u64>) -> Exposition {
 
 /// Reads the outbox gauges of `db` per scrape (the relay serves them too: they are its lag).
 pub fn outbox_gauges(db: PathBuf, cap: Option<u64>) -> runtime::metrics::GaugeReader {
-    let conn: Mutex<Option<Connection>> = Mutex::new(None);
-    let read = move || -> Result<Vec<GaugeSample>, String> {
-        let mut conn = conn.lock().unwrap_or_else(|p| p.into_inner());
-        if conn.is_none() {
-            let opened = Connection::open_with_flags(&db, OpenFlags::SQLITE_OPEN_READ_ONLY)
-                .map_err(|e| format!("{}: {e}", db.display()))?;
-            *conn = Some(opened);
-        }
-        let Some(conn) = conn.as_ref() else { return Ok(Vec::new()) };
-        backlog_gauges(conn, cap).map_err(|e| e.to_string())
-    };
-    Arc::new(read)
+    runtime::metrics::gauges_from_db(db, move |conn| backlog_gauges(conn, cap))
 }
 
 fn backlog_gauges(conn: &Connection, cap: Option<u64>) -> rusqlite::Result<Vec<GaugeSample>> {

@@ -262,6 +262,27 @@ pub struct GaugeSample {
 /// an error is logged and the gauges are left out of that scrape, the counters still served.
 pub type GaugeReader = Arc<dyn Fn() -> Result<Vec<GaugeSample>, String> + Send + Sync>;
 
+/// A [`GaugeReader`] over `db` through a read-only connection of the scrape's own, opened at
+/// the first scrape (never the writer's connection or lock) and kept for the next ones.
+pub fn gauges_from_db<F, E>(db: std::path::PathBuf, read: F) -> GaugeReader
+where
+    F: Fn(&rusqlite::Connection) -> Result<Vec<GaugeSample>, E> + Send + Sync + 'static,
+    E: std::fmt::Display,
+{
+    let conn: std::sync::Mutex<Option<rusqlite::Connection>> = std::sync::Mutex::new(None);
+    Arc::new(move || {
+        let mut conn = crate::blocking::lock(&conn);
+        if conn.is_none() {
+            let flags = rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY;
+            let opened = rusqlite::Connection::open_with_flags(&db, flags)
+                .map_err(|e| format!("{}: {e}", db.display()))?;
+            *conn = Some(opened);
+        }
+        let Some(conn) = conn.as_ref() else { return Ok(Vec::new()) };
+        read(conn).map_err(|e| e.to_string())
+    })
+}
+
 /// What one process exposes: its static families and its scrape-time gauges.
 #[derive(Clone)]
 pub struct Exposition {
