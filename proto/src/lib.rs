@@ -1,6 +1,7 @@
 //! The `ordered_events.v1` wire contract and everything the producer, relay and consumer
 //! must agree on byte for byte: canonical body, transport limits, the flow state machine,
-//! payload decoders, crash-point names and SQLite connection settings. The process runtime
+//! payload decoders, crash-point names, the database argument (SQLite file or PostgreSQL URL) and each backend's
+//! connection settings. The process runtime
 //! the binaries share (serving, authentication, logging) is the `runtime` crate.
 
 pub mod body;
@@ -9,6 +10,8 @@ pub mod crash;
 pub mod db;
 pub mod flow;
 pub mod limits;
+pub mod pg;
+pub mod target;
 
 /// Generated protobuf and gRPC code for `ordered_events.v1`.
 pub mod pb {

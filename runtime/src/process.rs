@@ -39,6 +39,9 @@ pub enum OpenError {
     /// The database could not be opened or is not this service's.
     #[error(transparent)]
     Db(#[from] proto::db::DbError),
+    /// The PostgreSQL database could not be opened or is not this service's.
+    #[error(transparent)]
+    Pg(#[from] proto::pg::PgError),
     /// The operating system refused a thread.
     #[error("cannot start the writer thread: {0}")]
     Writer(#[from] std::io::Error),

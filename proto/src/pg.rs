@@ -1,0 +1,535 @@
+//! PostgreSQL settings every process shares, the counterpart of [`crate::db`] for SQLite:
+//! `synchronous_commit=on` on every session, one schema per kind of store
+//! (`ordered_events_producer`, `ordered_events_consumer`; both may live in one database),
+//! a `meta` row naming the kind, the schema version and the database's random identity, and
+//! a refusal, in one line, of a schema of another kind, a newer version, or (the relay) a
+//! schema its owner has not created.
+//!
+//! Schema creation and upgrades run in one transaction under a transaction-level advisory
+//! lock, so several processes starting at once on one empty database create it once.
+
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use tokio_postgres::NoTls;
+
+use crate::db::OpenMode;
+use crate::target::PgUrl;
+
+/// How long connecting to the server may take before the process gives up with an error.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The advisory lock key every ordered-events process takes while creating or upgrading a
+/// schema (`hashtext` of this text).
+const SCHEMA_LOCK: &str = "ordered_events.schema";
+
+/// What a PostgreSQL schema is: its name, its version and the DDL a new one gets.
+#[derive(Clone, Copy, Debug)]
+pub struct PgKind {
+    /// Human name for messages ("producer", "consumer"), stored in `meta.kind`.
+    pub name: &'static str,
+    /// The PostgreSQL schema holding the tables, e.g. `ordered_events_producer`.
+    pub schema: &'static str,
+    /// The schema version this build writes and reads.
+    pub version: i32,
+    /// DDL of the current version, run once inside the creating transaction with
+    /// `search_path` set to [`PgKind::schema`].
+    pub ddl: &'static str,
+    /// `upgrades[i]` moves version `i + 1` to `i + 2`, inside one transaction.
+    pub upgrades: &'static [&'static str],
+}
+
+/// Why a PostgreSQL store could not be opened. Every message names the database (password
+/// hidden) and, where it matters, the schema.
+#[derive(Debug, thiserror::Error)]
+pub enum PgError {
+    /// The server refused, failed or could not be reached.
+    #[error("{target}: {what}: {source}")]
+    Client {
+        /// The database URL, password hidden.
+        target: String,
+        /// What was being done.
+        what: &'static str,
+        /// The client's error.
+        source: tokio_postgres::Error,
+    },
+    /// No connection could be had from the pool.
+    #[error("{target}: cannot connect: {reason}")]
+    Connect {
+        /// The database URL, password hidden.
+        target: String,
+        /// Why.
+        reason: String,
+    },
+    /// The schema must exist and does not.
+    #[error("{target}: schema {schema} has not been created by the {kind} yet (start the {kind} once first)")]
+    NotInitialised {
+        /// The database URL, password hidden.
+        target: String,
+        /// The schema looked for.
+        schema: &'static str,
+        /// The expected kind.
+        kind: &'static str,
+    },
+    /// The schema belongs to something else.
+    #[error("{target}: schema {schema} is not a {kind} schema ({what})")]
+    WrongKind {
+        /// The database URL, password hidden.
+        target: String,
+        /// The schema.
+        schema: &'static str,
+        /// The expected kind.
+        kind: &'static str,
+        /// What it is instead.
+        what: String,
+    },
+    /// The schema was written by a newer build.
+    #[error(
+        "{target}: {kind} schema {schema} version {found} is newer than this build supports ({supported}); upgrade the binary"
+    )]
+    Newer {
+        /// The database URL, password hidden.
+        target: String,
+        /// The schema.
+        schema: &'static str,
+        /// The expected kind.
+        kind: &'static str,
+        /// The schema's version.
+        found: i32,
+        /// The newest version this build reads.
+        supported: i32,
+    },
+    /// The session does not commit durably.
+    #[error(
+        "{target}: synchronous_commit is {value} for this session; ordered-events needs on (or remote_write, remote_apply) so an answered commit survives a crash"
+    )]
+    NotDurable {
+        /// The database URL, password hidden.
+        target: String,
+        /// The effective setting.
+        value: String,
+    },
+}
+
+/// The durability settings a session actually runs with, for the start-up log and the
+/// benchmark report.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Effective {
+    /// `synchronous_commit` (forced `on` by this module for its sessions).
+    pub synchronous_commit: String,
+    /// The server's `fsync`.
+    pub fsync: String,
+    /// The server's `full_page_writes`.
+    pub full_page_writes: String,
+    /// `server_version`.
+    pub server_version: String,
+}
+
+/// An opened PostgreSQL store: a pool whose sessions all run with `synchronous_commit=on`
+/// and `search_path` set to the kind's schema, and what was found at start-up.
+#[derive(Clone)]
+pub struct Opened {
+    /// Connections to the database.
+    pub pool: Pool,
+    /// The database's random identity (`meta.database_id`), kept by a restored backup and
+    /// new in a recreated schema.
+    pub database_id: String,
+    /// The settings the sessions run with.
+    pub effective: Effective,
+}
+
+/// Opens the `kind` schema on `url` with a pool of up to `pool_size` connections: in
+/// `Create` mode the schema is created (or upgraded) as needed; in `Existing` mode it must
+/// have been created by its owner. Refuses another kind, a newer version and a session that
+/// would not commit durably; logs the `<kind> database open` line with the settings.
+pub async fn open(url: &PgUrl, kind: &PgKind, mode: OpenMode, pool_size: usize) -> Result<Opened, PgError> {
+    let target = url.to_string();
+    let pool = pool(url, kind, pool_size)?;
+    let mut client =
+        pool.get().await.map_err(|e| PgError::Connect { target: target.clone(), reason: e.to_string() })?;
+    let client_err = |what| {
+        let target = target.clone();
+        move |source| PgError::Client { target, what, source }
+    };
+    let tx = client.transaction().await.map_err(client_err("begin"))?;
+    tx.execute("SELECT pg_advisory_xact_lock(hashtext($1))", &[&SCHEMA_LOCK])
+        .await
+        .map_err(client_err("lock the schema"))?;
+    let meta_table = format!("{}.meta", kind.schema);
+    let exists: bool = tx
+        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&meta_table])
+        .await
+        .map_err(client_err("look for the schema"))?
+        .get(0);
+    if !exists {
+        if mode == OpenMode::Existing {
+            return Err(PgError::NotInitialised { target, schema: kind.schema, kind: kind.name });
+        }
+        let create = format!(
+            "CREATE SCHEMA IF NOT EXISTS {schema};
+             SET LOCAL search_path = {schema};
+             {ddl}
+             CREATE TABLE meta(
+                 id INTEGER PRIMARY KEY CHECK(id = 1),
+                 kind TEXT NOT NULL,
+                 schema_version INTEGER NOT NULL,
+                 database_id TEXT NOT NULL,
+                 created_at_us BIGINT NOT NULL
+             );
+             INSERT INTO meta(id, kind, schema_version, database_id, created_at_us)
+             VALUES (1, '{name}', {version}, replace(gen_random_uuid()::text, '-', ''),
+                     (extract(epoch FROM clock_timestamp()) * 1000000)::bigint);",
+            schema = kind.schema,
+            ddl = kind.ddl,
+            name = kind.name,
+            version = kind.version,
+        );
+        tx.batch_execute(&create).await.map_err(client_err("create the schema"))?;
+    } else {
+        let row = tx
+            .query_opt(&format!("SELECT kind, schema_version FROM {meta_table} WHERE id = 1"), &[])
+            .await
+            .map_err(client_err("read the schema version"))?;
+        let Some(row) = row else {
+            return Err(PgError::WrongKind {
+                target,
+                schema: kind.schema,
+                kind: kind.name,
+                what: "its meta table has no row".into(),
+            });
+        };
+        let (found_kind, found): (String, i32) = (row.get(0), row.get(1));
+        if found_kind != kind.name {
+            return Err(PgError::WrongKind {
+                target,
+                schema: kind.schema,
+                kind: kind.name,
+                what: format!("it says it is a {found_kind} schema"),
+            });
+        }
+        if found > kind.version {
+            return Err(PgError::Newer {
+                target,
+                schema: kind.schema,
+                kind: kind.name,
+                found,
+                supported: kind.version,
+            });
+        }
+        if found < kind.version {
+            if mode == OpenMode::Existing {
+                return Err(PgError::WrongKind {
+                    target,
+                    schema: kind.schema,
+                    kind: kind.name,
+                    what: format!(
+                        "version {found}, older than {}: start the {} once to upgrade it",
+                        kind.version, kind.name
+                    ),
+                });
+            }
+            let mut sql = format!("SET LOCAL search_path = {};", kind.schema);
+            for upgrade in kind.upgrades.iter().skip(found.max(1) as usize - 1) {
+                sql.push_str(upgrade);
+            }
+            sql.push_str(&format!("UPDATE meta SET schema_version = {} WHERE id = 1;", kind.version));
+            tx.batch_execute(&sql).await.map_err(client_err("upgrade the schema"))?;
+            tracing::info!(
+                schema = kind.schema,
+                from = found,
+                to = kind.version,
+                "{} schema upgraded",
+                kind.name
+            );
+        }
+    }
+    let database_id: String = tx
+        .query_one(&format!("SELECT database_id FROM {meta_table} WHERE id = 1"), &[])
+        .await
+        .map_err(client_err("read the database identity"))?
+        .get(0);
+    tx.commit().await.map_err(client_err("commit the schema"))?;
+    let effective = effective(&client).await.map_err(client_err("read the settings"))?;
+    if !matches!(effective.synchronous_commit.as_str(), "on" | "remote_write" | "remote_apply") {
+        return Err(PgError::NotDurable { target, value: effective.synchronous_commit });
+    }
+    if effective.fsync != "on" {
+        tracing::warn!(
+            db = %target,
+            fsync = %effective.fsync,
+            "the server runs with fsync off: a crash of the server's host can lose committed events"
+        );
+    }
+    tracing::info!(
+        db = %target,
+        backend = "postgres",
+        schema = kind.schema,
+        synchronous_commit = %effective.synchronous_commit,
+        fsync = %effective.fsync,
+        full_page_writes = %effective.full_page_writes,
+        server_version = %effective.server_version,
+        "{} database open",
+        kind.name
+    );
+    drop(client);
+    Ok(Opened { pool, database_id, effective })
+}
+
+/// The pool for `url`: every session gets `synchronous_commit=on`, the kind's `search_path`
+/// and an `application_name`, as start-up options (so no statement can forget them).
+fn pool(url: &PgUrl, kind: &PgKind, size: usize) -> Result<Pool, PgError> {
+    let mut config = url.config();
+    let mut options = config.get_options().map(str::to_owned).unwrap_or_default();
+    if !options.is_empty() {
+        options.push(' ');
+    }
+    options.push_str(&format!("-c synchronous_commit=on -c search_path={}", kind.schema));
+    config.options(&options);
+    if config.get_application_name().is_none() {
+        config.application_name(format!("ordered-events-{}", kind.name));
+    }
+    if config.get_connect_timeout().is_none() {
+        config.connect_timeout(CONNECT_TIMEOUT);
+    }
+    let manager =
+        Manager::from_config(config, NoTls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+    Pool::builder(manager)
+        .max_size(size.max(1))
+        .wait_timeout(Some(CONNECT_TIMEOUT))
+        .create_timeout(Some(CONNECT_TIMEOUT))
+        .runtime(deadpool_postgres::Runtime::Tokio1)
+        .build()
+        .map_err(|e| PgError::Connect { target: url.to_string(), reason: e.to_string() })
+}
+
+/// The durability settings of `client`'s session.
+pub async fn effective(client: &tokio_postgres::Client) -> Result<Effective, tokio_postgres::Error> {
+    let row = client
+        .query_one(
+            "SELECT current_setting('synchronous_commit'), current_setting('fsync'),
+                    current_setting('full_page_writes'), current_setting('server_version')",
+            &[],
+        )
+        .await?;
+    Ok(Effective {
+        synchronous_commit: row.get(0),
+        fsync: row.get(1),
+        full_page_writes: row.get(2),
+        server_version: row.get(3),
+    })
+}
+
+/// SQLSTATE classes a caller may retry: the server or connection went away (08, 57P01-03),
+/// a serialization failure or deadlock (40001, 40P01), too many connections (53300).
+pub fn is_retryable(e: &tokio_postgres::Error) -> bool {
+    if e.is_closed() {
+        return true;
+    }
+    let Some(code) = e.code() else {
+        // No SQLSTATE: an I/O error on the connection, not a statement's failure.
+        return e.as_db_error().is_none();
+    };
+    let code = code.code();
+    code.starts_with("08")
+        || code.starts_with("57P")
+        || code == "40001"
+        || code == "40P01"
+        || code == "53300"
+        || code == "55P03"
+}
+
+/// True for a serialization failure or deadlock: the transaction can be run again as is.
+pub fn is_serialization_failure(e: &tokio_postgres::Error) -> bool {
+    e.code().is_some_and(|c| c.code() == "40001" || c.code() == "40P01")
+}
+
+/// The error text for logs and statuses: the server's message, detail and hint when it sent
+/// them (the client's own `Display` says only "db error").
+pub fn describe(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => {
+            let mut text = format!("{}: {}", db.code().code(), db.message());
+            if let Some(detail) = db.detail() {
+                text.push_str(&format!(" ({detail})"));
+            }
+            if let Some(hint) = db.hint() {
+                text.push_str(&format!("; hint: {hint}"));
+            }
+            text
+        }
+        None => e.to_string(),
+    }
+}
+
+/// A fresh PostgreSQL database per test, for the unit tests of every crate and the
+/// multi-process harness: created on the server named by [`testing::URL_ENV`] and dropped
+/// (connections forced off) when the value drops.
+pub mod testing {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use tokio_postgres::NoTls;
+
+    /// The server the PostgreSQL tests use (an admin URL: it must be allowed to create
+    /// databases).
+    pub const URL_ENV: &str = "ORDERED_EVENTS_TEST_PG_URL";
+    /// Where no `URL_ENV` is set: the development and CI machines' server.
+    pub const DEFAULT_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+    /// Set to `1` to make an unreachable server fail the PostgreSQL tests instead of
+    /// skipping them (CI sets it).
+    pub const REQUIRE_ENV: &str = "ORDERED_EVENTS_REQUIRE_PG";
+
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+
+    /// A database made for one test.
+    pub struct TestDb {
+        admin: String,
+        name: String,
+        url: String,
+    }
+
+    impl TestDb {
+        /// Creates a database named after `label`, this process and a counter. Returns `None`
+        /// after printing one loud `SKIPPED (PostgreSQL …)` line when the server cannot be
+        /// reached, unless [`REQUIRE_ENV`] is `1`: then it panics with the reason.
+        pub fn create(label: &str) -> Option<TestDb> {
+            let admin = std::env::var(URL_ENV).unwrap_or_else(|_| DEFAULT_URL.to_owned());
+            let label: String = label
+                .chars()
+                .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' })
+                .collect();
+            let name = format!(
+                "oe_{}_{}_{}",
+                &label[..label.len().min(30)],
+                std::process::id(),
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            );
+            match on_own_runtime(admin.clone(), format!("CREATE DATABASE {name}")) {
+                Ok(()) => {
+                    let url = with_database(&admin, &name);
+                    Some(TestDb { admin, name, url })
+                }
+                Err(reason) => {
+                    if std::env::var(REQUIRE_ENV).as_deref() == Ok("1") {
+                        panic!("PostgreSQL is required ({REQUIRE_ENV}=1) but unusable at {admin}: {reason}");
+                    }
+                    eprintln!(
+                        "SKIPPED (PostgreSQL unreachable at {admin}): {reason}; set {URL_ENV} to a server, or {REQUIRE_ENV}=1 to fail instead"
+                    );
+                    None
+                }
+            }
+        }
+
+        /// The test database's URL.
+        pub fn url(&self) -> &str {
+            &self.url
+        }
+
+        /// The database's name.
+        pub fn name(&self) -> &str {
+            &self.name
+        }
+    }
+
+    impl Drop for TestDb {
+        fn drop(&mut self) {
+            let sql = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name);
+            if let Err(e) = on_own_runtime(self.admin.clone(), sql) {
+                eprintln!("could not drop test database {}: {e}", self.name);
+            }
+        }
+    }
+
+    /// `admin` with its database replaced by `name`.
+    pub fn with_database(admin: &str, name: &str) -> String {
+        let (base, query) = match admin.split_once('?') {
+            Some((base, query)) => (base, format!("?{query}")),
+            None => (admin, String::new()),
+        };
+        let scheme_end = base.find("://").map_or(0, |i| i + 3);
+        let base = match base[scheme_end..].find('/') {
+            Some(slash) => &base[..scheme_end + slash],
+            None => base,
+        };
+        format!("{base}/{name}{query}")
+    }
+
+    /// Runs one statement on `url` from a thread with its own runtime, so it works from
+    /// inside and outside an async test alike.
+    fn on_own_runtime(url: String, sql: String) -> Result<(), String> {
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())?;
+            rt.block_on(async {
+                let mut config: tokio_postgres::Config = url.parse().map_err(|e| format!("{e}"))?;
+                config.connect_timeout(std::time::Duration::from_secs(5));
+                let (client, conn) = config.connect(NoTls).await.map_err(|e| e.to_string())?;
+                let driver = tokio::spawn(conn);
+                let result = client.batch_execute(&sql).await.map_err(|e| super::describe(&e));
+                drop(client);
+                let _ = driver.await;
+                result
+            })
+        })
+        .join()
+        .unwrap_or_else(|_| Err("the statement's thread panicked".into()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::{TestDb, with_database};
+    use super::*;
+    use crate::target::DbTarget;
+
+    const KIND: PgKind = PgKind {
+        name: "producer",
+        schema: "oe_test_kind",
+        version: 2,
+        ddl: "CREATE TABLE t(x BIGINT);",
+        upgrades: &[],
+    };
+
+    fn url(db: &TestDb) -> PgUrl {
+        match db.url().parse::<DbTarget>() {
+            Ok(DbTarget::Postgres(url)) => url,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn urls_name_another_database() {
+        assert_eq!(with_database("postgres://u@h:5/postgres", "x"), "postgres://u@h:5/x");
+        assert_eq!(
+            with_database("postgres://u@h/postgres?sslmode=disable", "x"),
+            "postgres://u@h/x?sslmode=disable"
+        );
+        assert_eq!(with_database("postgres://u@h", "x"), "postgres://u@h/x");
+    }
+
+    #[tokio::test]
+    async fn a_schema_is_created_once_and_foreign_or_newer_ones_are_refused() {
+        let Some(db) = TestDb::create("proto_pg_open") else { return };
+        let url = url(&db);
+        let err = open(&url, &KIND, OpenMode::Existing, 2).await.err().expect("not created yet");
+        assert!(matches!(err, PgError::NotInitialised { .. }), "{err}");
+        let first = open(&url, &KIND, OpenMode::Create, 2).await.unwrap();
+        assert_eq!(first.database_id.len(), 32);
+        assert_eq!(first.effective.synchronous_commit, "on");
+        let again = open(&url, &KIND, OpenMode::Existing, 2).await.unwrap();
+        assert_eq!(again.database_id, first.database_id, "reopening keeps the identity");
+        // search_path is the kind's schema: the DDL's table is there, unqualified.
+        let client = again.pool.get().await.unwrap();
+        client.execute("INSERT INTO t(x) VALUES (1)", &[]).await.unwrap();
+        let older = PgKind { version: 1, ..KIND };
+        let err = open(&url, &older, OpenMode::Create, 2).await.err().expect("newer");
+        assert!(err.to_string().contains("newer than this build supports (1)"), "{err}");
+        let consumer = PgKind { name: "consumer", ..KIND };
+        let err = open(&url, &consumer, OpenMode::Create, 2).await.err().expect("other kind");
+        assert!(err.to_string().contains("it says it is a producer schema"), "{err}");
+        drop(client);
+        drop((first, again));
+    }
+}
