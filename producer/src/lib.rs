@@ -1,12 +1,11 @@
-//! The producer: commits a flow's state change and its outbox event in ONE SQLite
-//! transaction (`store`), group-committing concurrent calls (`writer`), served over gRPC as
+//! The producer: commits a flow's state change and its outbox event in ONE transaction
+//! (`store`: SQLite or PostgreSQL, group-committing concurrent calls), served over gRPC as
 //! `ordered_events.v1.Producer` (`service`).
 
 pub mod metrics;
 pub mod request;
 pub mod service;
 pub mod store;
-pub mod writer;
 
 pub use service::{Config, ProducerService, run};
 

@@ -1,21 +1,22 @@
 //! `producer`: the gRPC server that commits flow steps with their outbox events.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
 
-/// Commits each flow step and its outbox event in one SQLite transaction, and serves
+/// Commits each flow step and its outbox event in one transaction (SQLite or PostgreSQL), and serves
 /// `ordered_events.v1.Producer` (Advance, GetFlow) with gRPC health and reflection.
 ///
 /// The first stdout line is the bound address; logs go to stderr (filter with RUST_LOG).
 #[derive(Debug, Parser)]
 #[command(name = "producer", version)]
 struct Args {
-    /// producer.db path; created with its schema on first start. The relay reads the same file.
-    #[arg(long, env = "ORDERED_EVENTS_PRODUCER_DB", value_name = "FILE")]
-    db: PathBuf,
+    /// The producer database: a SQLite file path (created with its schema on first start), or a
+    /// postgres:// (postgresql://) URL, whose schema ordered_events_producer is created on first
+    /// start (nothing is written on disk). The relay reads and marks the same database.
+    #[arg(long, env = "ORDERED_EVENTS_PRODUCER_DB", value_name = "FILE|URL")]
+    db: proto::target::DbTarget,
     /// Address to listen on (port 0 picks a free port; the chosen address is printed).
     #[arg(
         long,
@@ -51,13 +52,14 @@ fn main() -> ExitCode {
 
 async fn run(args: Args) -> anyhow::Result<()> {
     let max_unaccepted = (args.max_unaccepted > 0).then_some(args.max_unaccepted);
-    let exposition = producer::metrics::exposition(args.db.clone(), max_unaccepted);
     let service = producer::ProducerService::open(&producer::Config {
         db: args.db,
         crash: proto::crash::CrashSwitch::from_env()?,
         max_batch: args.max_batch,
-        max_unaccepted: (args.max_unaccepted > 0).then_some(args.max_unaccepted),
-    })?;
+        max_unaccepted,
+    })
+    .await?;
+    let exposition = producer::metrics::exposition(service.store(), max_unaccepted);
     let settings = args.server.serve.load()?;
     runtime::metrics::serve_if_asked(&args.metrics, exposition).await?;
     runtime::run_server("producer", args.listen, |listener, shutdown| {

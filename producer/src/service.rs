@@ -1,31 +1,26 @@
 //! The `ordered_events.v1.Producer` gRPC service: validates, hands each `Advance` to the
-//! group-committing writer thread (`writer`: one `BEGIN IMMEDIATE` per batch, a savepoint
-//! per call, answered after the commit), and maps outcomes to the wire.
+//! store (group-committed: one transaction per batch, a savepoint per call, answered after
+//! the commit), and maps outcomes, and in exactly one place store errors, to the wire.
 
 use std::future::Future;
-use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
 
 use proto::crash::CrashSwitch;
-use proto::db::{OpenMode, storage_status};
 use proto::pb;
+use proto::target::DbTarget;
 use runtime::OpenError;
-use runtime::blocking::with_locked;
-use rusqlite::Connection;
 use tokio::net::TcpListener;
-use tokio::sync::{mpsc, oneshot};
 use tonic::{Request, Response, Status};
 
 use crate::metrics;
 use crate::request;
-use crate::store::{self, AdvanceOutcome, AdvanceReply, FlowRecord, OutboxRecord};
-use crate::writer::{self, AdvanceJob};
+use crate::store::{AdvanceOutcome, AdvanceReply, OutboxRecord, ProducerStore, Role, StoreError};
 
 /// What the producer needs to run (validated flags).
 #[derive(Clone, Debug)]
 pub struct Config {
-    /// producer.db; created with its schema if missing.
-    pub db: PathBuf,
+    /// The producer database: a SQLite file (created with its schema if missing) or a
+    /// PostgreSQL URL (the schema is created on first start).
+    pub db: DbTarget,
     /// The crash point this process is armed with, if any.
     pub crash: CrashSwitch,
     /// The most `Advance` calls one transaction (one durable commit) may hold; 1 commits
@@ -35,22 +30,32 @@ pub struct Config {
     pub max_unaccepted: Option<u64>,
 }
 
-/// The service state: one connection to producer.db, used on blocking threads only (the
-/// writer thread for `Advance`, `spawn_blocking` for reads).
+/// The service state: the producer store (its writer owns the writes).
 #[derive(Clone)]
 pub struct ProducerService {
-    conn: Arc<Mutex<Connection>>,
-    writer: mpsc::Sender<AdvanceJob>,
+    store: ProducerStore,
 }
 
 impl ProducerService {
-    /// Opens (creating if needed) producer.db, logs the effective settings and starts the
-    /// writer thread.
-    pub fn open(config: &Config) -> Result<ProducerService, OpenError> {
-        let conn = Arc::new(Mutex::new(store::open(&config.db, OpenMode::Create)?));
-        tracing::info!(max_batch = config.max_batch, max_unaccepted = ?config.max_unaccepted, "advance writer");
-        let writer = writer::spawn(Arc::clone(&conn), config.crash, config.max_batch, config.max_unaccepted)?;
-        Ok(ProducerService { conn, writer })
+    /// Opens (creating if needed) the producer database, logs the effective settings and
+    /// starts the writer.
+    pub async fn open(config: &Config) -> Result<ProducerService, OpenError> {
+        let role = Role::Server { max_batch: config.max_batch, max_unaccepted: config.max_unaccepted };
+        Ok(ProducerService { store: ProducerStore::open(&config.db, role, config.crash).await? })
+    }
+
+    /// The store, e.g. for the metrics' gauges.
+    pub fn store(&self) -> &ProducerStore {
+        &self.store
+    }
+}
+
+impl From<StoreError> for Status {
+    /// The one mapping of store errors to statuses: a busy or unreachable database (and a
+    /// lost serialization race) is `UNAVAILABLE`, retryable; anything else is `INTERNAL`.
+    /// Either way nothing of the call was committed.
+    fn from(e: StoreError) -> Status {
+        if e.is_retryable() { Status::unavailable(e.to_string()) } else { Status::internal(e.to_string()) }
     }
 }
 
@@ -129,18 +134,11 @@ impl pb::producer_server::Producer for ProducerService {
         let req = request.into_inner();
         let cmd = request::validate(&req).map_err(|e| Status::invalid_argument(e.to_string()))?;
         let started = std::time::Instant::now();
-        let (reply, answer) = oneshot::channel();
-        let writer_gone = || Status::unavailable("advance: the writer thread stopped (shutting down?)");
         let counted = |index: usize| {
             metrics::ADVANCE_OUTCOMES.inc(index);
             metrics::ADVANCE_LATENCY.observe_since(started);
         };
-        let sent = self.writer.send(AdvanceJob { cmd, reply }).await;
-        let reply = match sent {
-            Ok(()) => answer.await.map_err(|_| writer_gone()).and_then(|r| r),
-            Err(_) => Err(writer_gone()),
-        }
-        .inspect_err(|_| counted(metrics::ADVANCE_ERROR))?;
+        let reply = self.store.advance(cmd).await.inspect_err(|_| counted(metrics::ADVANCE_ERROR))?;
         let outcome =
             pb::AdvanceOutcome::try_from(&reply.outcome).map_err(|NotAnAnswer { unaccepted }| {
                 counted(5);
@@ -164,17 +162,7 @@ impl pb::producer_server::Producer for ProducerService {
         let flow_id = request.into_inner().flow_id;
         proto::limits::check_token("flow_id", &flow_id, proto::limits::MAX_ID_BYTES)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let id = flow_id.clone();
-        let (flow, rows): (FlowRecord, Vec<OutboxRecord>) =
-            with_locked(&self.conn, move |conn: &mut Connection| {
-                // One read transaction so the flow and its rows are one snapshot.
-                let tx = conn.transaction()?;
-                let flow = store::flow_record(&tx, &id)?;
-                let rows = store::flow_outbox(&tx, &id)?;
-                Ok((flow, rows))
-            })
-            .await?
-            .map_err(|e: rusqlite::Error| storage_status("get_flow", &e))?;
+        let (flow, rows) = self.store.flow(flow_id.clone()).await?;
         Ok(Response::new(pb::ProducerFlow {
             flow_id,
             seq: flow.seq,

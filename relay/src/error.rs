@@ -5,12 +5,13 @@ use std::time::Duration;
 /// An operational failure; answers (conflicts, rejections) are never errors.
 #[derive(Debug, thiserror::Error)]
 pub enum RelayError {
-    /// producer.db could not be opened (missing, foreign, too new).
+    /// The producer database could not be opened (missing, foreign, too new, not created
+    /// by the producer yet, unreachable).
     #[error("{0}")]
-    Db(#[from] proto::db::DbError),
-    /// A read or a mark transaction on producer.db failed.
+    Open(#[from] runtime::OpenError),
+    /// A read or a mark transaction on the producer database failed.
     #[error("producer database: {0}")]
-    Sqlite(#[from] rusqlite::Error),
+    Store(#[from] producer::store::StoreError),
     /// No connection to the consumer.
     #[error("consumer unreachable at {url}: {reason}")]
     Unreachable {

@@ -1,42 +1,32 @@
-//! The relay's side of producer.db, through `producer::store` only, on blocking threads:
-//! short reads of unaccepted rows (no read transaction is held between polls) and one
-//! `BEGIN IMMEDIATE` transaction per run of recorded answers (group commit of the marks).
+//! The relay's side of the producer database, through `producer::store` only (SQLite or
+//! PostgreSQL alike): short reads of unaccepted rows (no read transaction is held between
+//! polls) and one transaction per run of recorded answers (group commit of the marks, with
+//! the relay's crash points), plus which consumer database the open session talks to.
 
-use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use producer::store::{self, DeliveryAnswer, OutboxRecord};
-use proto::crash::{CrashPoint, CrashSwitch};
-use proto::db::{self, DbError, OpenMode};
-use runtime::batches::BatchSizes;
-use rusqlite::Connection;
+use producer::store::{LostRows, OutboxRecord, ProducerStore, Role, StoreError};
+use proto::crash::CrashSwitch;
+use proto::target::DbTarget;
+use runtime::OpenError;
 
-/// The relay's connection to producer.db.
+pub use producer::store::Recorded;
+
+/// The relay's handle on the producer database.
 #[derive(Clone)]
 pub struct Ledger {
-    conn: Arc<Mutex<Connection>>,
-    crash: CrashSwitch,
+    store: ProducerStore,
     /// The consumer database the open session talks to (set by `identity` when the session
     /// opens; `None` for a consumer that cannot say), recorded on every accepted row.
     consumer_db: Arc<Mutex<Option<String>>>,
 }
 
 impl Ledger {
-    /// Opens an existing producer.db (the relay never creates one).
-    pub fn open(path: &Path, crash: CrashSwitch) -> Result<Ledger, DbError> {
-        let conn = store::open(path, OpenMode::Existing)?;
-        Ok(Ledger { conn: Arc::new(Mutex::new(conn)), crash, consumer_db: Arc::new(Mutex::new(None)) })
-    }
-
-    async fn blocking<T, F>(&self, f: F) -> rusqlite::Result<T>
-    where
-        T: Send + 'static,
-        F: FnOnce(&mut Connection, CrashSwitch) -> rusqlite::Result<T> + Send + 'static,
-    {
-        let crash = self.crash;
-        runtime::blocking::with_locked(&self.conn, move |conn| f(conn, crash))
-            .await
-            .unwrap_or_else(|e| Err(rusqlite::Error::ToSqlConversionFailure(Box::new(e))))
+    /// Opens an existing producer database (the relay never creates one: a file or schema
+    /// the producer has not created is refused in one line).
+    pub async fn open(target: &DbTarget, crash: CrashSwitch) -> Result<Ledger, OpenError> {
+        let store = ProducerStore::open(target, Role::Relay, crash).await?;
+        Ok(Ledger { store, consumer_db: Arc::new(Mutex::new(None)) })
     }
 
     /// Up to `limit` unaccepted rows after `cursor`, in `(flow_id, seq)` order.
@@ -44,71 +34,33 @@ impl Ledger {
         &self,
         cursor: (String, u64),
         limit: usize,
-    ) -> rusqlite::Result<Vec<OutboxRecord>> {
-        self.blocking(move |conn, _| store::unaccepted_after(conn, (&cursor.0, cursor.1), limit)).await
+    ) -> Result<Vec<OutboxRecord>, StoreError> {
+        self.store.unaccepted_after(cursor, limit).await
     }
 
     /// The outbox row of `event_id`, accepted or not.
-    pub async fn row(&self, event_id: String) -> rusqlite::Result<Option<OutboxRecord>> {
-        self.blocking(move |conn, _| store::outbox_row(conn, &event_id)).await
+    pub async fn row(&self, event_id: String) -> Result<Option<OutboxRecord>, StoreError> {
+        self.store.outbox_row(event_id).await
     }
 
     /// Records the consumer's answers for a run of rows in ONE transaction (each counts one
     /// send); marks a row accepted when its answer holds the event. Crash points
     /// `relay.after_mark` (written, not committed) and `relay.after_mark_commit` sit on the
     /// marking path only: a run with no accepted answer reaches neither.
-    pub async fn record(&self, answers: Vec<Recorded>) -> rusqlite::Result<()> {
+    pub async fn record(&self, answers: Vec<Recorded>) -> Result<(), StoreError> {
         let consumer_db = runtime::blocking::lock(&self.consumer_db).clone();
-        self.blocking(move |conn, crash| {
-            let started = std::time::Instant::now();
-            let tx = db::begin_immediate(conn)?;
-            let now = runtime::now_us();
-            let mut marked = false;
-            for answer in &answers {
-                let accepted_by = match &consumer_db {
-                    Some(consumer) if answer.position > 0 => {
-                        Some(store::AcceptedBy { consumer_db: consumer, position: answer.position })
-                    }
-                    _ => None,
-                };
-                store::record_delivery(&tx, &answer.event_id, answer.answer, now, accepted_by)?;
-                marked |= answer.answer.holds_event();
-            }
-            if marked {
-                crash.reach(CrashPoint::RelayAfterMark);
-            }
-            tx.commit()?;
-            MARK_BATCHES.record_timed(answers.len(), started);
-            tracing::debug!(answers = answers.len(), "answers recorded");
-            if marked {
-                crash.reach(CrashPoint::RelayAfterMarkCommit);
-            }
-            Ok(())
-        })
-        .await
+        self.store.record_deliveries(answers, consumer_db).await
     }
 
     /// Counts one send of each of `event_ids` that got no answer, in ONE transaction: the
     /// rows stay unaccepted and are sent again.
-    pub async fn record_unanswered(&self, event_ids: Vec<String>) -> rusqlite::Result<()> {
-        if event_ids.is_empty() {
-            return Ok(());
-        }
-        self.blocking(move |conn, _| {
-            let tx = db::begin_immediate(conn)?;
-            for id in &event_ids {
-                store::record_unanswered_send(&tx, id)?;
-            }
-            tx.commit()
-        })
-        .await
+    pub async fn record_unanswered(&self, event_ids: Vec<String>) -> Result<(), StoreError> {
+        self.store.record_unanswered(event_ids).await
     }
-}
 
-impl Ledger {
     /// This producer database's identity.
-    pub async fn producer_id(&self) -> rusqlite::Result<String> {
-        self.blocking(|conn, _| store::database_id(conn)).await
+    pub async fn producer_id(&self) -> Result<String, StoreError> {
+        self.store.database_id().await
     }
 
     /// Sets the consumer database the open session talks to.
@@ -123,30 +75,7 @@ impl Ledger {
         &self,
         consumer_db: String,
         highest_position: u64,
-    ) -> rusqlite::Result<store::LostRows> {
-        self.blocking(move |conn, _| {
-            let tx = db::begin_immediate(conn)?;
-            let lost = store::lost_rows(&tx, &consumer_db, highest_position)?;
-            if lost.other_database + lost.beyond_history > 0 {
-                store::unmark_lost(&tx, &consumer_db, highest_position)?;
-                tx.commit()?;
-            }
-            Ok(lost)
-        })
-        .await
+    ) -> Result<LostRows, StoreError> {
+        self.store.resend_lost(consumer_db, highest_position).await
     }
-}
-
-/// Answers per recorded-answers (mark) transaction, logged at shutdown.
-static MARK_BATCHES: BatchSizes = BatchSizes::new("mark");
-
-/// One answer to record on its outbox row.
-#[derive(Clone, Debug)]
-pub struct Recorded {
-    /// The row's event id.
-    pub event_id: String,
-    /// The consumer's answer.
-    pub answer: DeliveryAnswer,
-    /// Where the consumer holds it (its inbox position; 0 when it did not say).
-    pub position: u64,
 }

@@ -1,5 +1,5 @@
 //! The relay: crosses the two commit domains. It reads unaccepted outbox rows from
-//! producer.db (only through `producer::store`), streams them into the consumer's
+//! the producer database (SQLite or PostgreSQL, only through `producer::store`), streams them into the consumer's
 //! `Receive`, and marks a row accepted only after the consumer answered that it durably
 //! holds it (`ACCEPTED` or `DUPLICATE`). Everything else leaves the row unaccepted.
 //!
@@ -23,7 +23,6 @@ pub mod session;
 pub mod stop;
 
 use std::future::Future;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -112,8 +111,8 @@ pub struct Link {
 /// Validated settings of one relay process.
 #[derive(Clone, Debug)]
 pub struct Config {
-    /// producer.db, created by the producer.
-    pub producer_db: PathBuf,
+    /// The producer database (a SQLite file or a PostgreSQL URL), created by the producer.
+    pub producer_db: proto::target::DbTarget,
     /// The consumer.
     pub link: Link,
     /// The mode and its own settings.
@@ -146,7 +145,7 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<u8, RelayError> {
     let stop = stop::Stop::on(shutdown);
-    let ledger = ledger::Ledger::open(&config.producer_db, config.crash)?;
+    let ledger = ledger::Ledger::open(&config.producer_db, config.crash).await?;
     let per_delivery = !matches!(&config.mode, Mode::Run(settings) if !settings.delivery_lines);
     let mut report = output::Report::new(per_delivery);
     match &config.mode {

