@@ -23,6 +23,9 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
+/// Bound parameters of one statement.
+type Params<'a, const N: usize> = [&'a (dyn ToSql + Sync); N];
+
 use super::{
     ADVANCE_BATCHES, AdvanceReply, Backlog, Decision, FlowRecord, LOST_BY_CONSUMER, LostRows, MARK_BATCHES,
     NO_ANSWER, OutboxRecord, Recorded, Role, StoreError, decide,
@@ -282,9 +285,9 @@ impl PgStore {
                         (a.event_id.as_str(), word, a.answer.holds_event(), at.map(|at| at.consumer_db), position)
                     })
                     .collect();
-                let bound: Vec<([&(dyn ToSql + Sync); 1], [&(dyn ToSql + Sync); 6])> = params
+                let bound: Vec<(Params<'_, 1>, Params<'_, 6>)> = params
                     .iter()
-                    .map(|(id, word, holds, by, position)| -> ([&(dyn ToSql + Sync); 1], [&(dyn ToSql + Sync); 6]) {
+                    .map(|(id, word, holds, by, position)| -> (Params<'_, 1>, Params<'_, 6>) {
                         ([id], [id, word, holds, &now, by, position])
                     })
                     .collect();
@@ -375,8 +378,8 @@ impl PgStore {
                     )
                     .await?;
                 // BEGIN and the four reads in one round trip, one transaction with the unmark.
-                let by: [&(dyn ToSql + Sync); 1] = [&consumer_db];
-                let by_beyond: [&(dyn ToSql + Sync); 2] = [&consumer_db, &highest];
+                let by: Params<'_, 1> = [&consumer_db];
+                let by_beyond: Params<'_, 2> = [&consumer_db, &highest];
                 let (begun, other, beyond, recorded, sample) = futures::join!(
                     client.batch_execute("BEGIN"),
                     client.query_one(&other, &by),
@@ -425,7 +428,7 @@ async fn commit_with_backlog(client: &Conn, delta: i64) -> Result<(), StoreError
         return Ok(());
     }
     let stmt = client.prepare_cached("UPDATE backlog SET unaccepted = unaccepted + $1 WHERE id = 1").await?;
-    let params: [&(dyn ToSql + Sync); 1] = [&delta];
+    let params: Params<'_, 1> = [&delta];
     let (counted, committed) = futures::join!(client.execute(&stmt, &params), client.batch_execute("COMMIT"));
     match counted {
         Ok(1) => {}
@@ -632,8 +635,8 @@ async fn advance_batch(
     // One round trip: BEGIN, the backlog row locked (this batch and every relay mark now take
     // turns, so the cap below is exact), then every flow and event id the batch names, read
     // after the lock was granted.
-    let flow_params: [&(dyn ToSql + Sync); 1] = [&flow_ids];
-    let event_params: [&(dyn ToSql + Sync); 1] = [&event_ids];
+    let flow_params: Params<'_, 1> = [&flow_ids];
+    let event_params: Params<'_, 1> = [&event_ids];
     let (begun, locked, flow_rows, event_rows) = futures::join!(
         client.batch_execute("BEGIN"),
         client.query_one(&lock, &[]),
@@ -676,7 +679,7 @@ async fn advance_batch(
                     // What another writer committed since the batch read: read it again.
                     let fresh_flow = client.prepare_cached(FLOW_SQL).await?;
                     let fresh_event = client.prepare_cached(EVENT_SQL).await?;
-                    let (flow_param, event_param): ([&(dyn ToSql + Sync); 1], [&(dyn ToSql + Sync); 1]) =
+                    let (flow_param, event_param): (Params<'_, 1>, Params<'_, 1>) =
                         ([&cmd.flow_id], [&cmd.event_id]);
                     let (f, e) = futures::join!(
                         client.query_opt(&fresh_flow, &flow_param),
@@ -738,7 +741,7 @@ async fn write_step(
     let seq = seq_param(flow.seq)?;
     let from = seq_param(from_seq)?;
     let state = flow.state.as_str();
-    let flow_params: [&(dyn ToSql + Sync); 5] = [&event.flow_id, &seq, &state, &flow.amount, &from];
+    let flow_params: Params<'_, 5> = [&event.flow_id, &seq, &state, &flow.amount, &from];
     let (saved, moved) =
         futures::join!(client.batch_execute("SAVEPOINT step"), client.execute(&flow_stmt, &flow_params));
     saved?;
@@ -753,7 +756,7 @@ async fn write_step(
     crash.reach(CrashPoint::ProducerAfterFlowUpdate);
     let schema = i32::try_from(event.schema).unwrap_or(i32::MAX);
     let now = runtime::now_us();
-    let insert_params: [&(dyn ToSql + Sync); 7] =
+    let insert_params: Params<'_, 7> =
         [&event.event_id, &event.flow_id, &seq, &event.kind, &schema, &event.body, &now];
     let (inserted, released) = futures::join!(
         client.execute(&insert_stmt, &insert_params),
