@@ -449,22 +449,42 @@ async fn retrying<T>(
     what: &'static str,
     work: impl AsyncFn(&Conn) -> Result<T, StoreError>,
 ) -> Result<T, StoreError> {
+    let mut guard = Detach(Some(client));
     let mut attempt = 0;
     loop {
-        let e = match work(&client).await {
-            Ok(value) => return Ok(value),
+        let Some(client) = guard.0.as_ref() else {
+            return Err(StoreError::Unavailable { what, detail: "the connection was dropped".into() });
+        };
+        let e = match work(client).await {
+            Ok(value) => {
+                guard.0.take();
+                return Ok(value);
+            }
             Err(e) => e,
         };
         if client.batch_execute("ROLLBACK").await.is_err() {
-            // Broken or stuck: never hand it to the next user.
-            drop(Object::take(client));
+            // Broken or stuck: the guard drops it instead of handing it to the next user.
             return Err(e.during(what));
         }
         attempt += 1;
         if !is_serialization(&e) || attempt > SERIALIZATION_RETRIES {
+            guard.0.take();
             return Err(e.during(what));
         }
         tracing::debug!(attempt, error = %e, "{what}: serialization failure or deadlock, running it again");
+    }
+}
+
+/// Holds a pooled connection while a transaction may be open on it. Dropped holding one (the
+/// caller's future was cancelled mid-transaction, or the rollback failed), it closes the
+/// connection, so the server rolls back and the pool never hands out an open transaction.
+struct Detach(Option<Object>);
+
+impl Drop for Detach {
+    fn drop(&mut self) {
+        if let Some(client) = self.0.take() {
+            drop(Object::take(client));
+        }
     }
 }
 
