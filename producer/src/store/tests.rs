@@ -453,3 +453,46 @@ fn decide_checks_history_then_seq_then_step_then_cap() {
         AdvanceOutcome::Committed
     );
 }
+
+/// Two producers on one PostgreSQL schema (each with its own writer and connection) racing
+/// on one flow: the compare-and-set writes decide, never in-process state. Six different
+/// event ids at `expected_seq = 0` give one COMMITTED and five STALE; the same event id on
+/// both gives one COMMITTED and one EXISTING; one outbox row per step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_producers_on_one_schema_commit_each_step_once() {
+    let Some(db) = TestDb::create("producer_store_two_writers") else { return };
+    let place = Place::Postgres(db);
+    let (one, two) = (place.open(None).await, place.open(None).await);
+    for round in 0..5 {
+        let flow = format!("R{round}");
+        let calls = (0..6).map(|i| {
+            let store = if i % 2 == 0 { one.clone() } else { two.clone() };
+            let c = cmd_on(&flow, &format!("{flow}-{i}"), 0, "reserved", 1, 3);
+            tokio::spawn(async move { store.advance(c).await })
+        });
+        let mut got = Vec::new();
+        for call in calls.collect::<Vec<_>>() {
+            got.push(call.await.unwrap().unwrap().outcome);
+        }
+        let committed = got.iter().filter(|o| **o == AdvanceOutcome::Committed).count();
+        let stale = got.iter().filter(|o| **o == AdvanceOutcome::Stale).count();
+        assert_eq!((committed, stale), (1, 5), "{got:?}");
+        let same = cmd_on(&flow, &format!("{flow}-step2"), 1, "confirmed", 1, 3);
+        let (a, b) = tokio::join!(
+            tokio::spawn({
+                let (store, c) = (one.clone(), same.clone());
+                async move { store.advance(c).await }
+            }),
+            tokio::spawn({
+                let (store, c) = (two.clone(), same.clone());
+                async move { store.advance(c).await }
+            }),
+        );
+        let mut pair = [a.unwrap().unwrap().outcome, b.unwrap().unwrap().outcome];
+        pair.sort_by_key(|o| o != &AdvanceOutcome::Committed);
+        assert_eq!(pair, [AdvanceOutcome::Committed, AdvanceOutcome::Existing]);
+        let (state, rows) = one.flow(flow.clone()).await.unwrap();
+        assert_eq!((state.seq, rows.len()), (2, 2));
+    }
+    assert_eq!(place.text("SELECT CAST(unaccepted AS TEXT) FROM backlog").await.as_deref(), Some("10"));
+}
