@@ -114,6 +114,13 @@ impl CrashSwitch {
         Ok(CrashSwitch { armed })
     }
 
+    /// True when this process is armed at `point` (a store may then take a slower path that
+    /// reaches the point exactly where it stands, e.g. between two statements it would
+    /// otherwise pipeline).
+    pub fn is_armed_at(&self, point: CrashPoint) -> bool {
+        self.armed == Some(point)
+    }
+
     /// Dies here if armed at `point`: marker on stderr, then `_exit(73)` with no unwinding,
     /// no destructors and no rollback-on-drop.
     pub fn reach(&self, point: CrashPoint) {

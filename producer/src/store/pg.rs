@@ -676,6 +676,23 @@ async fn advance_batch(
         let event = outbox_from_row(&row, 0)?;
         events.insert(event.event_id.clone(), event);
     }
+    let pipelined = !crash.is_armed_at(CrashPoint::ProducerAfterFlowUpdate)
+        && !crash.is_armed_at(CrashPoint::ProducerAfterOutboxInsert);
+    if pipelined {
+        if let Some((results, written)) =
+            advance_pipelined(client, cmds, &flows, &events, unaccepted, max_unaccepted).await?
+        {
+            if written == 0 {
+                client.batch_execute("ROLLBACK").await?;
+                return Ok(results);
+            }
+            commit_with_backlog(client, written).await?;
+            crash.reach(CrashPoint::ProducerAfterCommit);
+            return Ok(results);
+        }
+        // Some write failed or raced: everything of the fast path was rolled back; decide
+        // the batch again call by call.
+    }
     let mut results = Vec::with_capacity(cmds.len());
     let mut written: i64 = 0;
     for cmd in cmds {
@@ -732,6 +749,102 @@ async fn advance_batch(
     commit_with_backlog(client, written).await?;
     crash.reach(CrashPoint::ProducerAfterCommit);
     Ok(results)
+}
+
+/// The fast path of a batch: every call decided in queue order on what the batch read (each
+/// write applied to that view, as it would be after its commit), then every write sent at
+/// once in ONE round trip (pipelined on the connection), inside a savepoint of the whole batch: one statement per call
+/// moves the flow by compare-and-set and inserts the event only if the flow moved. `None`
+/// when any write failed (a trigger, a unique violation) or found its flow moved: the
+/// savepoint is rolled back and the caller runs the batch call by call, so a failing call
+/// still fails alone. Used only when neither pre-commit crash point is armed, since it
+/// reaches no point between the flow write and the insert; the call-by-call path does.
+async fn advance_pipelined(
+    client: &Conn,
+    cmds: &[AdvanceCommand],
+    flows: &HashMap<String, FlowRecord>,
+    events: &HashMap<String, OutboxRecord>,
+    unaccepted: u64,
+    max_unaccepted: Option<u64>,
+) -> Result<Option<(Vec<Result<AdvanceReply, StoreError>>, i64)>, StoreError> {
+    let mut flows = flows.clone();
+    let mut events = events.clone();
+    let mut unaccepted = unaccepted;
+    let mut results = Vec::with_capacity(cmds.len());
+    // (from seq, flow after, event) of each write, in queue order.
+    let mut writes: Vec<(i64, FlowRecord, OutboxRecord)> = Vec::new();
+    for cmd in cmds {
+        let flow = flows.get(&cmd.flow_id).cloned().unwrap_or(FlowRecord::NEW);
+        let decision =
+            decide(&flow, events.get(&cmd.event_id), cmd, max_unaccepted.map(|cap| (unaccepted, cap)));
+        if let Decision::Write { flow: next, event } = &decision {
+            flows.insert(cmd.flow_id.clone(), next.clone());
+            events.insert(cmd.event_id.clone(), event.clone());
+            unaccepted += 1;
+            writes.push((seq_param(flow.seq)?, next.clone(), event.clone()));
+        }
+        results.push(Ok(decision.into_reply()));
+    }
+    if writes.is_empty() {
+        return Ok(Some((results, 0)));
+    }
+    let stmt = client
+        .prepare_cached(
+            "WITH moved AS (
+                 INSERT INTO flow(flow_id, seq, state, amount) VALUES ($2, $3, $8, $9)
+                 ON CONFLICT (flow_id) DO UPDATE SET seq = excluded.seq, state = excluded.state
+                 WHERE flow.seq = $10
+                 RETURNING flow_id)
+             INSERT INTO outbox(event_id, flow_id, seq, kind, schema, body, committed_at_us)
+             SELECT $1::text, flow_id, $3::bigint, $4::text, $5::integer, $6::text, $7::bigint FROM moved",
+        )
+        .await?;
+    let now = runtime::now_us();
+    let values: Vec<_> = writes
+        .iter()
+        .map(|(from, flow, event)| {
+            let seq = i64::try_from(event.seq).unwrap_or(i64::MAX);
+            let schema = i32::try_from(event.schema).unwrap_or(i32::MAX);
+            (from, seq, schema, flow.state.as_str(), flow.amount, event)
+        })
+        .collect();
+    let bound: Vec<Params<'_, 10>> = values
+        .iter()
+        .map(|(from, seq, schema, state, amount, event)| -> Params<'_, 10> {
+            [
+                &event.event_id,
+                &event.flow_id,
+                seq,
+                &event.kind,
+                schema,
+                &event.body,
+                &now,
+                state,
+                amount,
+                *from,
+            ]
+        })
+        .collect();
+    let (saved, inserted) = futures::join!(
+        client.batch_execute("SAVEPOINT batch"),
+        futures::future::join_all(bound.iter().map(|p| client.execute(&stmt, p))),
+    );
+    saved?;
+    let mut all_written = true;
+    for outcome in inserted {
+        match outcome {
+            Ok(1) => {}
+            Ok(_) => all_written = false,
+            Err(e) if is_retryable(&e) || is_serialization_failure(&e) => return Err(e.into()),
+            Err(_) => all_written = false,
+        }
+    }
+    if !all_written {
+        client.batch_execute("ROLLBACK TO SAVEPOINT batch; RELEASE SAVEPOINT batch").await?;
+        return Ok(None);
+    }
+    // The savepoint stays open: the commit takes it with the transaction (no round trip).
+    Ok(Some((results, writes.len() as i64)))
 }
 
 /// One call's writes in its own savepoint: the flow moved from `from_seq` (a compare-and-set:
