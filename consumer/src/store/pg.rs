@@ -119,17 +119,22 @@ impl From<tokio_postgres::Error> for StoreError {
     /// server or connection is unavailable storage (retryable, and health goes NOT_SERVING);
     /// a constraint or a trigger's exception refused one row; anything else failed.
     fn from(e: tokio_postgres::Error) -> StoreError {
-        let text = proto::pg::describe(&e);
-        let code = e.code().map(|c| c.code().to_owned()).unwrap_or_default();
-        if proto::pg::is_serialization_failure(&e) || code == "55P03" {
-            StoreError::Busy(text)
-        } else if proto::pg::is_retryable(&e) {
-            StoreError::Unavailable(text)
-        } else if code.starts_with("23") || code == "P0001" {
-            StoreError::Refused(text)
-        } else {
-            StoreError::Failed(text)
-        }
+        classify(&e)
+    }
+}
+
+/// The store error for a client error (see the `From` impl).
+fn classify(e: &tokio_postgres::Error) -> StoreError {
+    let text = proto::pg::describe(e);
+    let code = e.code().map(|c| c.code().to_owned()).unwrap_or_default();
+    if proto::pg::is_serialization_failure(e) || code == "55P03" {
+        StoreError::Busy(text)
+    } else if proto::pg::is_retryable(e) {
+        StoreError::Unavailable(text)
+    } else if code.starts_with("23") || code == "P0001" {
+        StoreError::Refused(text)
+    } else {
+        StoreError::Failed(text)
     }
 }
 
@@ -159,6 +164,11 @@ pub struct PgStore {
 /// limits) and positions and counts come from BIGINT columns, so no value here overflows.
 fn big(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+/// A schema as the INTEGER column stores it: the transport limits keep it within 1..=65535.
+fn schema_column(schema: u32) -> i32 {
+    i32::try_from(schema).unwrap_or(i32::MAX)
 }
 
 /// A BIGINT read back as the unsigned value it stores (never negative: CHECKs and identity).
@@ -213,9 +223,74 @@ impl PgStore {
             Ok(tx) => tx,
             Err(e) => return fail_all(e.into()),
         };
-        let mut results = Vec::with_capacity(jobs.len());
+        let mut results: Vec<BatchAnswer> = Vec::with_capacity(jobs.len());
         let mut inserted = false;
-        for job in jobs {
+        let pipelined = match pipeline_fits(&tx, jobs.len(), ctx.admission).await {
+            Ok(fits) => fits,
+            Err(e) => return fail_all(e),
+        };
+        let mut next = 0;
+        let mut busy_retries = 0;
+        while next < jobs.len() {
+            if pipelined {
+                // Every envelope left, in one round trip; the first that fails rolls back
+                // alone and the ones after it go in the next round.
+                let round: Vec<usize> = (next..jobs.len()).filter(|&i| !jobs[i].stream.failed()).collect();
+                let events: Vec<&Event> = round.iter().map(|&i| &jobs[i].event).collect();
+                let (decided, failure) = pipeline(&tx, &events, runtime::now_us()).await;
+                let mut decided = decided.into_iter();
+                let mut at = next;
+                for &i in &round {
+                    while at < i {
+                        results.push(None);
+                        at += 1;
+                    }
+                    match decided.next() {
+                        Some(answer) => {
+                            if matches!(&answer, Ok(r) if r.outcome == ReceiveOutcome::Accepted) {
+                                inserted = true;
+                                ctx.crash.reach(CrashPoint::ConsumerReceiveAfterInsert);
+                            }
+                            if let Err(e) = &answer {
+                                report(e);
+                                jobs[i].stream.fail();
+                            }
+                            results.push(Some(answer));
+                            at += 1;
+                        }
+                        None => break,
+                    }
+                }
+                match failure {
+                    None => {
+                        while at < jobs.len() {
+                            results.push(None);
+                            at += 1;
+                        }
+                        next = jobs.len();
+                    }
+                    Some(StepFailure::RolledBack(StoreError::Busy(_))) if busy_retries < STEP_RETRIES => {
+                        // A deadlock or serialization failure, rolled back to the envelope's
+                        // savepoint: deciding it again is safe.
+                        busy_retries += 1;
+                        next = at;
+                    }
+                    Some(StepFailure::RolledBack(e)) => {
+                        // `at` is the failed envelope: the first of the round not decided.
+                        report(&e);
+                        jobs[at].stream.fail();
+                        results.push(Some(Err(e)));
+                        next = at + 1;
+                    }
+                    Some(StepFailure::TransactionLost(e)) => {
+                        drop(tx);
+                        return fail_all(e);
+                    }
+                }
+                continue;
+            }
+            let job = &jobs[next];
+            next += 1;
             if job.stream.failed() {
                 results.push(None);
                 continue;
@@ -810,6 +885,132 @@ async fn apply_step(
     Ok(StepOutcome::Applied)
 }
 
+/// Whether a whole batch of `n` envelopes may be pipelined: no cap, or a cap the batch
+/// cannot reach even if every envelope is accepted (the counter row is locked here until the
+/// commit, so no other writer moves it meanwhile). Otherwise each envelope is decided with
+/// its own round trips, the cap checked before each.
+async fn pipeline_fits(tx: &Transaction<'_>, n: usize, admission: Admission) -> Result<bool> {
+    let Admission::Cap(cap) = admission else { return Ok(true) };
+    let stmt = tx.prepare_cached("SELECT unapplied FROM backlog WHERE id = 1 FOR UPDATE").await?;
+    let unapplied = unsigned(tx.query_one(&stmt, &[]).await?.get(0));
+    Ok(unapplied.saturating_add(n as u64) < cap)
+}
+
+const INSERT_PENDING_SQL: &str =
+    "INSERT INTO inbox(event_id, flow_id, seq, kind, schema, body, state, received_at_us)
+     VALUES ($1, $2, $3, $4, $5, $6, 'pending', $7) ON CONFLICT DO NOTHING RETURNING position";
+
+/// What is stored under an event id and at a (flow_id, seq), read right after the insert
+/// (so it sees exactly what an envelope decided alone at that point would see).
+const STORED_SQL: &str = "SELECT (SELECT body FROM inbox WHERE event_id = $1),
+            (SELECT position FROM inbox WHERE event_id = $1),
+            (SELECT event_id FROM inbox WHERE flow_id = $2 AND seq = $3)";
+
+/// One statement's answer in a pipeline.
+enum Piped {
+    Done,
+    Row(Option<Row>),
+}
+
+/// SPEC §6 for `events` in order, pipelined: for each, `SAVEPOINT`, the insert, the read of
+/// what is stored, `RELEASE`, all sent before the first answer is read (tokio-postgres sends
+/// a statement when its future is first polled, and `join_all` polls them in order), so the
+/// server runs them exactly in sequence and the batch costs one round trip. Returns the
+/// answers of the envelopes decided before the first failure, and that failure: the failed
+/// envelope's savepoint is rolled back (`RolledBack`; the statements after it were skipped
+/// by the server), or the transaction is lost.
+async fn pipeline(
+    tx: &Transaction<'_>,
+    events: &[&Event],
+    now_us: i64,
+) -> (Vec<Result<Received>>, Option<StepFailure<StoreError>>) {
+    let prepared = async {
+        Ok::<_, tokio_postgres::Error>((
+            tx.prepare_cached(INSERT_PENDING_SQL).await?,
+            tx.prepare_cached(STORED_SQL).await?,
+        ))
+    };
+    let (insert, stored) = match prepared.await {
+        Ok(statements) => statements,
+        Err(e) => return (Vec::new(), Some(StepFailure::TransactionLost(e.into()))),
+    };
+    let bodies: Vec<String> = events.iter().map(|e| e.canonical_body()).collect();
+    let seqs: Vec<i64> = events.iter().map(|e| big(e.seq)).collect();
+    let schemas: Vec<i32> = events.iter().map(|e| schema_column(e.schema)).collect();
+    type PipedFuture<'a> = std::pin::Pin<
+        Box<dyn Future<Output = std::result::Result<Piped, tokio_postgres::Error>> + Send + 'a>,
+    >;
+    let mut statements: Vec<PipedFuture<'_>> = Vec::with_capacity(events.len() * 4);
+    for (k, e) in events.iter().enumerate() {
+        statements.push(Box::pin(async { tx.batch_execute("SAVEPOINT step").await.map(|()| Piped::Done) }));
+        let insert = &insert;
+        let (body, seq, schema) = (&bodies[k], &seqs[k], &schemas[k]);
+        statements.push(Box::pin(async move {
+            let params: [&(dyn ToSql + Sync); 7] =
+                [&e.event_id, &e.flow_id, seq, &e.kind, schema, body, &now_us];
+            tx.query_opt(insert, &params).await.map(Piped::Row)
+        }));
+        let stored = &stored;
+        statements.push(Box::pin(async move {
+            let params: [&(dyn ToSql + Sync); 3] = [&e.event_id, &e.flow_id, seq];
+            tx.query_opt(stored, &params).await.map(Piped::Row)
+        }));
+        statements
+            .push(Box::pin(async { tx.batch_execute("RELEASE SAVEPOINT step").await.map(|()| Piped::Done) }));
+    }
+    let answers = futures::future::join_all(statements).await;
+    let mut decided = Vec::with_capacity(events.len());
+    for (k, four) in answers.chunks(4).enumerate() {
+        let [savepoint, inserted, read, release] = four else { break };
+        if let Err(e) = savepoint {
+            return (decided, Some(StepFailure::TransactionLost(classify(e))));
+        }
+        let failed = inserted.as_ref().err().or(read.as_ref().err());
+        if let Some(e) = failed {
+            let e = classify(e);
+            if matches!(e, StoreError::Unavailable(_)) {
+                return (decided, Some(StepFailure::TransactionLost(e)));
+            }
+            let undone = tx.batch_execute("ROLLBACK TO SAVEPOINT step; RELEASE SAVEPOINT step").await;
+            let failure =
+                if undone.is_ok() { StepFailure::RolledBack(e) } else { StepFailure::TransactionLost(e) };
+            return (decided, Some(failure));
+        }
+        if let Err(e) = release {
+            return (decided, Some(StepFailure::TransactionLost(classify(e))));
+        }
+        let (Ok(Piped::Row(inserted)), Ok(Piped::Row(read))) = (inserted, read) else { break };
+        decided.push(match (inserted, read) {
+            (Some(row), _) => {
+                Ok(Received { outcome: ReceiveOutcome::Accepted, position: unsigned(row.get(0)) })
+            }
+            (None, Some(read)) => stored_answer(events[k], &bodies[k], read),
+            (None, None) => Err(StoreError::Inconsistent("the stored-row read returned nothing".into())),
+        });
+    }
+    (decided, None)
+}
+
+/// What the stored rows (read right after an insert that stored nothing) say about `event`.
+fn stored_answer(event: &Event, body: &str, read: &Row) -> Result<Received> {
+    let stored_body: Option<String> = read.get(0);
+    let position: Option<i64> = read.get(1);
+    let holder: Option<String> = read.get(2);
+    match (stored_body, holder) {
+        (Some(stored), _) if stored == body => {
+            Ok(Received { outcome: ReceiveOutcome::Duplicate, position: position.map_or(0, unsigned) })
+        }
+        (Some(_), _) => Ok(Received { outcome: ReceiveOutcome::IdConflict, position: 0 }),
+        (None, Some(held_by)) => {
+            Ok(Received { outcome: ReceiveOutcome::SequenceConflict { held_by }, position: 0 })
+        }
+        (None, None) => Err(StoreError::Inconsistent(format!(
+            "inbox insert of {} stored nothing, yet neither its event_id nor its (flow_id, seq) is taken",
+            event.event_id
+        ))),
+    }
+}
+
 /// Stores `event` as pending unless its event id or its (flow_id, seq) is already taken, or
 /// the backlog is full under `admission` (the counter row is locked first, so the cap is
 /// exact across concurrent writers). Writes only for `Accepted`. The insert is tried first
@@ -839,8 +1040,7 @@ async fn insert_pending(
              VALUES ($1, $2, $3, $4, $5, $6, 'pending', $7) ON CONFLICT DO NOTHING RETURNING position",
         )
         .await?;
-    let schema = i32::try_from(event.schema)
-        .map_err(|_| StoreError::Refused(format!("schema {} does not fit an INTEGER", event.schema)))?;
+    let schema = schema_column(event.schema);
     let params: [&(dyn ToSql + Sync); 7] =
         [&event.event_id, &event.flow_id, &big(event.seq), &event.kind, &schema, &body, &now_us];
     if let Some(row) = tx.query_opt(&stmt, &params).await? {
