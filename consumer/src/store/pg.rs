@@ -42,8 +42,12 @@ pub const KIND: PgKind =
 const POOL_SIZE: usize = 8;
 
 /// How often one step is tried again after a deadlock or serialization failure (rolled back
-/// to its savepoint, so repeating it is safe) or after another applier moved the flow.
+/// to its savepoint, so repeating it is safe).
 const STEP_RETRIES: usize = 3;
+
+/// How often one apply step is decided again after another applier moved the flow first
+/// (rolled back to its savepoint). Each lost race is another applier's progress on the flow.
+const RACE_RETRIES: usize = 16;
 
 /// The schema (version 1). Trigger functions name their table with the schema, so a session
 /// with another `search_path` (psql) keeps the counter exact too.
@@ -672,13 +676,13 @@ async fn step_in_tx(
         let step = in_savepoint(tx, || decide_and_write(tx, flow_id, budget_left, opts)).await;
         match step {
             Ok(Some(progress)) => return Ok(progress),
-            Ok(None) | Err(StepFailure::RolledBack(StoreError::Busy(_))) if attempt < STEP_RETRIES => {
+            Ok(None) | Err(StepFailure::RolledBack(StoreError::Busy(_))) if attempt < RACE_RETRIES => {
                 attempt += 1
             }
             Ok(None) => {
                 return Err(StepFailure::RolledBack(StoreError::Busy(format!(
                     "flow {flow_id}: other appliers moved its projection {} times in a row",
-                    STEP_RETRIES + 1
+                    RACE_RETRIES + 1
                 ))));
             }
             Err(e) => return Err(e),
@@ -827,55 +831,70 @@ async fn apply_step(
     if after.last_seq != row.seq {
         return Ok(StepOutcome::Raced);
     }
-    let moved = if *from == Projection::NEW {
-        let stmt = tx
-            .prepare_cached(
-                "INSERT INTO projection(flow_id, last_seq, state, held, amount) VALUES ($1, $2, $3, $4, $5)
-                 ON CONFLICT(flow_id) DO NOTHING",
-            )
-            .await?;
-        let params: [&(dyn ToSql + Sync); 5] =
-            [&row.flow_id, &big(after.last_seq), &after.state.as_str(), &after.held, &after.amount];
-        tx.execute(&stmt, &params).await?
+    // The three writes go in one round trip (see `in_order`). If the compare-and-set wrote
+    // nothing, the effect insert and the mark that followed it are undone with the savepoint
+    // (the step is reported as a race, an error, so the caller rolls the savepoint back).
+    let write_projection = if *from == Projection::NEW {
+        tx.prepare_cached(
+            "INSERT INTO projection(flow_id, last_seq, state, held, amount) VALUES ($1, $2, $3, $4, $5)
+             ON CONFLICT(flow_id) DO NOTHING",
+        )
+        .await?
     } else {
-        let stmt = tx
-            .prepare_cached(
-                "UPDATE projection SET last_seq = $2, state = $3, held = $4, amount = $5
-                 WHERE flow_id = $1 AND last_seq = $6 AND state = $7 AND held = $8 AND amount = $9",
-            )
-            .await?;
-        let params: [&(dyn ToSql + Sync); 9] = [
-            &row.flow_id,
-            &big(after.last_seq),
-            &after.state.as_str(),
-            &after.held,
-            &after.amount,
-            &big(from.last_seq),
-            &from.state.as_str(),
-            &from.held,
-            &from.amount,
-        ];
-        tx.execute(&stmt, &params).await?
+        tx.prepare_cached(
+            "UPDATE projection SET last_seq = $2, state = $3, held = $4, amount = $5
+             WHERE flow_id = $1 AND last_seq = $6 AND state = $7 AND held = $8 AND amount = $9",
+        )
+        .await?
     };
-    if moved != 1 {
-        return Ok(StepOutcome::Raced);
-    }
-    opts.crash.reach(CrashPoint::ConsumerApplyAfterProjection);
-    let stmt = tx
+    let insert_effect = tx
         .prepare_cached(
             "INSERT INTO effect(event_id, flow_id, seq, kind, held, applied_at_us) VALUES ($1, $2, $3, $4, $5, $6)",
         )
         .await?;
-    let params: [&(dyn ToSql + Sync); 6] =
-        [&row.event_id, &row.flow_id, &big(row.seq), &kind.as_str(), &after.held, &now_us];
-    tx.execute(&stmt, &params).await?;
-    let stmt = tx
+    let mark_applied = tx
         .prepare_cached(
             "UPDATE inbox SET state = 'applied', reason = NULL, applied_at_us = $2
              WHERE event_id = $1 AND state <> 'applied'",
         )
         .await?;
-    if tx.execute(&stmt, &[&row.event_id, &now_us]).await? != 1 {
+    let (after_seq, from_seq, seq) = (big(after.last_seq), big(from.last_seq), big(row.seq));
+    let (after_state, from_state, kind) = (after.state.as_str(), from.state.as_str(), kind.as_str());
+    let projection_params: Vec<&(dyn ToSql + Sync)> = if *from == Projection::NEW {
+        vec![&row.flow_id, &after_seq, &after_state, &after.held, &after.amount]
+    } else {
+        vec![
+            &row.flow_id,
+            &after_seq,
+            &after_state,
+            &after.held,
+            &after.amount,
+            &from_seq,
+            &from_state,
+            &from.held,
+            &from.amount,
+        ]
+    };
+    let effect_params: [&(dyn ToSql + Sync); 6] =
+        [&row.event_id, &row.flow_id, &seq, &kind, &after.held, &now_us];
+    let mark_params: [&(dyn ToSql + Sync); 2] = [&row.event_id, &now_us];
+    let writes: Vec<PipedFuture<'_, u64>> = vec![
+        Box::pin(tx.execute(&write_projection, &projection_params)),
+        Box::pin(tx.execute(&insert_effect, &effect_params)),
+        Box::pin(tx.execute(&mark_applied, &mark_params)),
+    ];
+    let mut answers = in_order(writes).await.into_iter();
+    let mut next = || answers.next().unwrap_or(Ok(0));
+    let (moved, inserted, marked) = (next(), next(), next());
+    if moved? != 1 {
+        return Err(StoreError::Busy(format!(
+            "flow {}: another applier moved the projection from seq {}",
+            row.flow_id, from.last_seq
+        )));
+    }
+    opts.crash.reach(CrashPoint::ConsumerApplyAfterProjection);
+    inserted?;
+    if marked? != 1 {
         return Err(StoreError::Inconsistent(format!(
             "inbox {} vanished or was applied while the projection was at seq {}",
             row.event_id, from.last_seq
@@ -906,6 +925,38 @@ const STORED_SQL: &str = "SELECT (SELECT body FROM inbox WHERE event_id = $1),
             (SELECT position FROM inbox WHERE event_id = $1),
             (SELECT event_id FROM inbox WHERE flow_id = $2 AND seq = $3)";
 
+/// A statement sent on a pipeline, boxed so statements of different shapes share a queue.
+type PipedFuture<'a, T = Piped> =
+    std::pin::Pin<Box<dyn Future<Output = std::result::Result<T, tokio_postgres::Error>> + Send + 'a>>;
+
+/// Sends `statements` in this order and then waits for every answer. A tokio-postgres
+/// statement writes its request to the connection when its future is first polled, so each
+/// is polled once, in order, before any answer is awaited: the server then receives and runs
+/// them in exactly this order, in one round trip.
+async fn in_order<T>(
+    statements: Vec<PipedFuture<'_, T>>,
+) -> Vec<std::result::Result<T, tokio_postgres::Error>> {
+    use futures::future::{MaybeDone, maybe_done};
+    let mut statements: Vec<MaybeDone<PipedFuture<'_, T>>> = statements.into_iter().map(maybe_done).collect();
+    {
+        let waker = futures::task::noop_waker();
+        let mut first = std::task::Context::from_waker(&waker);
+        for statement in &mut statements {
+            // `MaybeDone` keeps an answer that is ready at once; the real waker is
+            // registered by the join below.
+            let _ = std::pin::Pin::new(statement).poll(&mut first);
+        }
+    }
+    futures::future::join_all(statements.iter_mut()).await;
+    statements
+        .iter_mut()
+        .map(|statement| {
+            // join_all returned, so every statement is done and its output is taken once.
+            std::pin::Pin::new(statement).take_output().expect("a joined statement has its answer")
+        })
+        .collect()
+}
+
 /// One statement's answer in a pipeline.
 enum Piped {
     Done,
@@ -914,7 +965,7 @@ enum Piped {
 
 /// SPEC §6 for `events` in order, pipelined: for each, `SAVEPOINT`, the insert, the read of
 /// what is stored, `RELEASE`, all sent before the first answer is read (tokio-postgres sends
-/// a statement when its future is first polled, and `join_all` polls them in order), so the
+/// a statement when its future is first polled, and [`in_order`] polls them in order), so the
 /// server runs them exactly in sequence and the batch costs one round trip. Returns the
 /// answers of the envelopes decided before the first failure, and that failure: the failed
 /// envelope's savepoint is rolled back (`RolledBack`; the statements after it were skipped
@@ -937,9 +988,6 @@ async fn pipeline(
     let bodies: Vec<String> = events.iter().map(|e| e.canonical_body()).collect();
     let seqs: Vec<i64> = events.iter().map(|e| big(e.seq)).collect();
     let schemas: Vec<i32> = events.iter().map(|e| schema_column(e.schema)).collect();
-    type PipedFuture<'a> = std::pin::Pin<
-        Box<dyn Future<Output = std::result::Result<Piped, tokio_postgres::Error>> + Send + 'a>,
-    >;
     let mut statements: Vec<PipedFuture<'_>> = Vec::with_capacity(events.len() * 4);
     for (k, e) in events.iter().enumerate() {
         statements.push(Box::pin(async { tx.batch_execute("SAVEPOINT step").await.map(|()| Piped::Done) }));
@@ -958,7 +1006,7 @@ async fn pipeline(
         statements
             .push(Box::pin(async { tx.batch_execute("RELEASE SAVEPOINT step").await.map(|()| Piped::Done) }));
     }
-    let answers = futures::future::join_all(statements).await;
+    let answers = in_order(statements).await;
     let mut decided = Vec::with_capacity(events.len());
     for (k, four) in answers.chunks(4).enumerate() {
         let [savepoint, inserted, read, release] = four else { break };

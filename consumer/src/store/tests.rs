@@ -408,3 +408,36 @@ async fn pg_open_is_idempotent_and_keeps_the_identity() {
     assert_eq!(second.identity().await.unwrap().database_id, id);
     assert_eq!(second.backend(), "postgres");
 }
+
+/// A batch larger than any small-join shortcut, with a failing envelope in the middle and a
+/// duplicate of an earlier one at the end: every answer is the one-by-one answer.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_large_batch_answers_each_envelope_in_order() {
+    for (store, _keep) in stores("c_large_batch").await {
+        let b = store.backend();
+        store
+            .exec(
+                &sqlite_reject("inbox", "NEW.flow_id = 'P20'", "inbox insert rejected"),
+                &pg_reject("inbox", "NEW.flow_id = 'P20'", "inbox insert rejected"),
+            )
+            .await;
+        let mut events: Vec<(Event, Arc<StreamState>)> =
+            (0..40).map(|i| (reference(&format!("P{i}"), 1), Arc::new(StreamState::default()))).collect();
+        events.push((reference("P5", 1), Arc::new(StreamState::default())));
+        events.push((reference("P20", 1), Arc::new(StreamState::default())));
+        let words = batch(&store, events, Admission::Unlimited).await;
+        for (i, word) in words.iter().enumerate() {
+            let expected = match i {
+                20 | 41 => "Internal",
+                40 => "Duplicate",
+                _ => "Accepted",
+            };
+            assert!(word.starts_with(expected), "{b}: envelope {i}: {word}");
+        }
+        assert_eq!(store.unapplied_count().await.unwrap(), 39, "{b}");
+        for i in [0, 19, 21, 39] {
+            assert_eq!(store.flow(format!("P{i}")).await.unwrap().inbox.len(), 1, "{b}: P{i}");
+        }
+        assert!(store.flow("P20".into()).await.unwrap().inbox.is_empty(), "{b}");
+    }
+}
