@@ -441,3 +441,69 @@ async fn a_large_batch_answers_each_envelope_in_order() {
         assert!(store.flow("P20".into()).await.unwrap().inbox.is_empty(), "{b}");
     }
 }
+
+/// Many flows share apply transactions of any size and end exactly as one transaction per
+/// step would: a step whose effect insert a trigger rejects rolls back alone (its flow fails,
+/// keeping the steps committed before), a gap and a block stop only their own flow.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_group_of_flows_ends_like_one_step_per_transaction() {
+    let mut views: Vec<(String, Vec<String>, Vec<String>)> = Vec::new();
+    for max_batch in [1, 2, 4, 256] {
+        for (store, _keep) in stores(&format!("c_group_{max_batch}")).await {
+            for flow in ["A", "B", "C"] {
+                for seq in 1..=3 {
+                    receive(&store, reference(flow, seq)).await;
+                }
+            }
+            receive(&store, reference("G", 2)).await;
+            receive(&store, event("V1", "V", 1, "reserved", 2, r#"{"units":3}"#)).await;
+            store
+                .exec(
+                    &sqlite_reject("effect", "NEW.event_id = 'B2'", "effect B2 rejected"),
+                    &pg_reject("effect", "NEW.event_id = 'B2'", "effect B2 rejected"),
+                )
+                .await;
+            let opts = ApplyOptions { max_batch, ..ApplyOptions::default() };
+            let flows = ["A", "B", "C", "G", "V"].map(str::to_owned).to_vec();
+            let view: Vec<String> = store
+                .apply_flows(flows, 1000, opts)
+                .await
+                .iter()
+                .map(|r| match &r.outcome {
+                    Ok(report) => {
+                        format!(
+                            "{} {:?} {:?} {:?}",
+                            r.flow_id, report.applied, report.stop, report.projection
+                        )
+                    }
+                    // The failure's text is the backend's own; its kind and what it kept are not.
+                    Err(f) => format!(
+                        "{} failed after {:?}: {:?} {}",
+                        r.flow_id,
+                        f.applied,
+                        f.source.status("apply").code(),
+                        f.source.to_string().contains("effect B2 rejected")
+                    ),
+                })
+                .collect();
+            let b = store.backend();
+            assert_eq!(view[1], "B failed after [\"B1\"]: Internal true", "{b} {max_batch}: {view:?}");
+            assert!(view[3].contains("Gap { waiting_for_seq: 1 }"), "{b}: {view:?}");
+            assert!(view[4].contains("UnsupportedSchema"), "{b}: {view:?}");
+            let mut records = Vec::new();
+            for flow in ["A", "B", "C", "G", "V"] {
+                let v = store.flow(flow.into()).await.unwrap();
+                records.push(format!(
+                    "{:?} {:?} {:?}",
+                    v.projection,
+                    v.inbox.iter().map(|r| (r.seq, r.state, r.reason)).collect::<Vec<_>>(),
+                    v.effects
+                ));
+            }
+            views.push((format!("{b} batch {max_batch}"), view, records));
+        }
+    }
+    for other in &views[1..] {
+        assert_eq!((&other.1, &other.2), (&views[0].1, &views[0].2), "{} vs {}", other.0, views[0].0);
+    }
+}
