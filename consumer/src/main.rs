@@ -1,7 +1,6 @@
 //! `consumer`: the gRPC server that accepts events into its inbox and applies them in order.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{ArgAction, Parser};
@@ -14,9 +13,11 @@ use clap::{ArgAction, Parser};
 #[derive(Debug, Parser)]
 #[command(name = "consumer", version)]
 struct Args {
-    /// consumer.db path; created with its schema on first start.
-    #[arg(long, env = "ORDERED_EVENTS_CONSUMER_DB", value_name = "FILE")]
-    db: PathBuf,
+    /// Where the inbox lives: a SQLite file path (consumer.db, the embedded default) or a
+    /// PostgreSQL URL (postgres://USER[:PASSWORD]@HOST[:PORT]/DBNAME, tables in the schema
+    /// ordered_events_consumer). Created with its schema on first start.
+    #[arg(long, env = "ORDERED_EVENTS_CONSUMER_DB", value_name = "FILE|URL")]
+    db: proto::target::DbTarget,
     /// Address to listen on (port 0 picks a free port; the chosen address is printed).
     #[arg(
         long,
@@ -83,8 +84,6 @@ fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
-    let exposition =
-        consumer::metrics::exposition(args.db.clone(), (args.max_pending > 0).then_some(args.max_pending));
     let service = consumer::ConsumerService::open(&consumer::Config {
         db: args.db,
         support_v2: args.support_v2,
@@ -96,7 +95,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
         },
         apply_batch: args.apply_batch,
         auto_apply: args.auto_apply,
-    })?;
+    })
+    .await?;
+    let exposition = consumer::metrics::exposition(
+        service.store().unapplied_reader(),
+        (args.max_pending > 0).then_some(args.max_pending),
+    );
     let settings = args.server.serve.load()?;
     runtime::metrics::serve_if_asked(&args.metrics, exposition).await?;
     runtime::run_server("consumer", args.listen, |listener, shutdown| {

@@ -1,11 +1,13 @@
 //! The consumer's Prometheus metrics: `Receive` answers by outcome and `Apply` stops by why
 //! (bumped where they are decided: one atomic add each), and, per scrape, the inbox backlog
-//! read from consumer.db's trigger-kept `backlog.unapplied` counter through a read-only
-//! connection of its own (never a `COUNT(*)`, never the writer's lock).
+//! read from the store's trigger-kept `backlog.unapplied` counter through a connection of
+//! the scrape's own (never a `COUNT(*)`, never the writer's lock).
 
-use std::path::PathBuf;
+use std::sync::Arc;
 
 use runtime::metrics::{Counters, Expose, Exposition, GaugeSample};
+
+use crate::store::UnappliedReader;
 
 use crate::apply::Stop;
 use crate::rules::BlockReason;
@@ -58,10 +60,11 @@ pub fn count_stop(stop: Option<&Stop>) {
 
 static FAMILIES: [&dyn Expose; 3] = [&RECEIVE_OUTCOMES, &APPLY_STOPS, &runtime::batches::FAMILIES];
 
-/// What `/metrics` serves for a consumer on `db` whose backlog cap is `cap` (`None`: none).
-pub fn exposition(db: PathBuf, cap: Option<u64>) -> Exposition {
-    let read = move |conn: &rusqlite::Connection| -> crate::store::Result<Vec<GaugeSample>> {
-        let unapplied = crate::store::unapplied_count(conn)?;
+/// What `/metrics` serves for a consumer whose backlog counter `unapplied` reads (from the
+/// store's `unapplied_reader`) and whose backlog cap is `cap` (`None`: none).
+pub fn exposition(unapplied: UnappliedReader, cap: Option<u64>) -> Exposition {
+    let read = move || -> Result<Vec<GaugeSample>, String> {
+        let unapplied = unapplied()?;
         let mut gauges = vec![GaugeSample {
             name: "ordered_events_consumer_inbox_unapplied",
             help: "Inbox rows stored and not yet applied (pending and blocked).",
@@ -84,5 +87,5 @@ pub fn exposition(db: PathBuf, cap: Option<u64>) -> Exposition {
         }
         Ok(gauges)
     };
-    Exposition::new(&FAMILIES, Some(runtime::metrics::gauges_from_db(db, read)))
+    Exposition::new(&FAMILIES, Some(Arc::new(read)))
 }

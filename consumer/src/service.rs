@@ -1,18 +1,15 @@
-//! The `ordered_events.v1.Consumer` gRPC service: checks transport limits and requests, runs
-//! every SQLite call on a blocking thread (Receive's on the group-committing writer,
-//! `receive`), answers each envelope in order and only after its commit, and maps domain
-//! outcomes and storage failures to the wire in one place.
+//! The `ordered_events.v1.Consumer` gRPC service: checks transport limits and requests, calls
+//! the store (Receive through the group-committing writer, `receive`), answers each envelope
+//! in order and only after its commit, and maps domain outcomes to the wire here and store
+//! failures in one place (`StoreError::status`).
 
 use std::future::Future;
-use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use proto::crash::CrashSwitch;
-use proto::db::storage_status;
 use proto::pb;
+use proto::target::DbTarget;
 use runtime::OpenError;
-use runtime::blocking::{with_locked, with_shared};
-use rusqlite::Connection;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_stream::StreamExt as _;
@@ -24,13 +21,13 @@ use crate::receive::{self, ReceiveJob, Received, StreamState, WriterOptions};
 use crate::request;
 use crate::rules::{BlockReason, Waiting, why_waiting};
 use crate::storage::StorageWatch;
-use crate::store::{self, EffectRecord, InboxRecord, ReceiveOutcome, StoreError};
+use crate::store::{self, ConsumerStore, EffectRecord, InboxRecord, ReceiveOutcome};
 
 /// What the consumer needs to run (validated flags).
 #[derive(Clone, Debug)]
 pub struct Config {
-    /// consumer.db; created with its schema if missing.
-    pub db: PathBuf,
+    /// consumer.db or a PostgreSQL database; created with its schema if missing.
+    pub db: DbTarget,
     /// Decode schema 2 (`{"units": n}`).
     pub support_v2: bool,
     /// The crash point this process is armed with, if any.
@@ -51,12 +48,11 @@ const RECEIVE_BUFFER: usize = 64;
 /// enough for a relay's whole window to share a commit.
 const STREAM_IN_FLIGHT: usize = 4096;
 
-/// The service state: one connection to consumer.db, used on blocking threads only (the
-/// Receive writer thread and `spawn_blocking`), and the stop signal that ends open
-/// `Receive` streams at shutdown.
+/// The service state: the store, the Receive writer's queue, and the stop signal that ends
+/// open `Receive` streams at shutdown.
 #[derive(Clone)]
 pub struct ConsumerService {
-    conn: Arc<Mutex<Connection>>,
+    store: ConsumerStore,
     opts: ApplyOptions,
     writer: mpsc::Sender<ReceiveJob>,
     stopping: Arc<watch::Sender<bool>>,
@@ -77,10 +73,10 @@ struct EventRef {
 }
 
 impl ConsumerService {
-    /// Opens (creating if needed) consumer.db, logs the effective settings and starts the
-    /// Receive writer thread.
-    pub fn open(config: &Config) -> Result<ConsumerService, OpenError> {
-        let conn = store::open(&config.db)?;
+    /// Opens (creating if needed) the database, logs the effective settings and starts the
+    /// Receive writer task (call it on the runtime that will serve).
+    pub async fn open(config: &Config) -> Result<ConsumerService, OpenError> {
+        let store = ConsumerStore::open(&config.db).await?;
         tracing::info!(
             v2_decoder = if config.support_v2 { "enabled" } else { "disabled" },
             max_batch = config.max_batch,
@@ -89,31 +85,35 @@ impl ConsumerService {
             admission = ?config.admission,
             "consumer writer and applier"
         );
-        let identity = store::identity(&conn).map_err(|e| OpenError::Identity(e.to_string()))?;
+        let identity = store.identity().await.map_err(|e| OpenError::Identity(e.to_string()))?;
         tracing::info!(
             database_id = %identity.database_id,
             highest_inbox_position = identity.highest_position,
             "consumer database identity"
         );
         let storage = StorageWatch::new(&config.db).leak();
-        let conn = Arc::new(Mutex::new(conn));
         let opts = ApplyOptions {
             support_v2: config.support_v2,
             crash: config.crash,
             max_batch: config.apply_batch,
             storage: Some(storage),
         };
-        storage.spawn_recovery(Arc::clone(&conn), config.auto_apply.then_some(opts))?;
+        storage.spawn_recovery(store.clone(), config.auto_apply.then_some(opts));
         let writer = receive::spawn(
-            Arc::clone(&conn),
+            store.clone(),
             WriterOptions {
                 max_batch: config.max_batch,
                 auto_apply: config.auto_apply,
                 apply: opts,
                 admission: config.admission,
             },
-        )?;
-        Ok(ConsumerService { conn, opts, writer, stopping: Arc::new(watch::channel(false).0), storage })
+        );
+        Ok(ConsumerService { store, opts, writer, stopping: Arc::new(watch::channel(false).0), storage })
+    }
+
+    /// The store this service uses.
+    pub fn store(&self) -> &ConsumerStore {
+        &self.store
     }
 
     /// Starts answering one `Receive` stream's envelopes; the answers come out of the
@@ -290,18 +290,8 @@ pub async fn run(
     runtime::serve_authenticated(listener, svc, shutdown, settings, Some(storage)).await
 }
 
-/// The one mapping of store failures to statuses: busy is `UNAVAILABLE` (retryable),
-/// everything else `INTERNAL`.
-pub(crate) fn store_status(what: &str, e: &StoreError) -> Status {
-    match e {
-        StoreError::Sqlite(e) => storage_status(what, e),
-        StoreError::Inconsistent(msg) => Status::internal(format!("{what}: {msg}")),
-        StoreError::FileReplaced(msg) => Status::internal(format!("{what}: storage failure: {msg}")),
-    }
-}
-
 fn failure_status(flow_id: &str, f: &ApplyFailure) -> Status {
-    let status = store_status(&format!("apply {flow_id}"), &f.source);
+    let status = f.source.status(&format!("apply {flow_id}"));
     Status::new(
         status.code(),
         format!("{} (this call applied {} step(s) first)", status.message(), f.applied.len()),
@@ -413,9 +403,8 @@ impl pb::consumer_server::Consumer for ConsumerService {
         let max_steps = request::max_steps(req.max_steps).map_err(invalid)?;
         let opts = self.opts;
         let flow_id = req.flow_id;
-        let id = flow_id.clone();
-        let report = with_shared(&self.conn, move |conn| apply::apply_flow(conn, &id, max_steps, opts))
-            .await?
+        let report = apply::apply_flow(&self.store, &flow_id, max_steps, opts)
+            .await
             .map_err(|f| failure_status(&flow_id, &f))?;
         tracing::debug!(flow_id = %report.flow_id, applied = report.applied.len(), stop = ?report.stop, "apply");
         Ok(Response::new(report_pb(report)))
@@ -427,9 +416,9 @@ impl pb::consumer_server::Consumer for ConsumerService {
     ) -> Result<Response<pb::ApplyAllResponse>, Status> {
         let max_steps = request::max_steps(request.into_inner().max_steps).map_err(invalid)?;
         let opts = self.opts;
-        let results = with_shared(&self.conn, move |conn| apply::apply_all(conn, max_steps, opts))
-            .await?
-            .map_err(|e| store_status("apply_all: listing flows", &e))?;
+        let results = apply::apply_all(&self.store, max_steps, opts)
+            .await
+            .map_err(|e| e.status("apply_all: listing flows"))?;
         let results = results
             .into_iter()
             .map(|flow| match flow.outcome {
@@ -456,22 +445,12 @@ impl pb::consumer_server::Consumer for ConsumerService {
     ) -> Result<Response<pb::ConsumerFlow>, Status> {
         let flow_id = request.into_inner().flow_id;
         request::flow_id(&flow_id).map_err(invalid)?;
-        let id = flow_id.clone();
-        let (projection, inbox, effects) = with_locked(&self.conn, move |conn: &mut Connection| {
-            // One read transaction so projection, inbox and effects are one snapshot.
-            let tx = conn.transaction()?;
-            let projection = store::projection(&tx, &id)?;
-            let inbox = store::flow_inbox(&tx, &id)?;
-            let effects = store::flow_effects(&tx, &id)?;
-            Ok((projection, inbox, effects))
-        })
-        .await?
-        .map_err(|e: StoreError| store_status("get_flow", &e))?;
+        let view = self.store.flow(flow_id.clone()).await.map_err(|e| e.status("get_flow"))?;
         Ok(Response::new(pb::ConsumerFlow {
             flow_id,
-            projection: Some(projection_pb(&projection)),
-            inbox: inbox.into_iter().map(inbox_pb).collect(),
-            effects: effects.into_iter().map(effect_pb).collect(),
+            projection: Some(projection_pb(&view.projection)),
+            inbox: view.inbox.into_iter().map(inbox_pb).collect(),
+            effects: view.effects.into_iter().map(effect_pb).collect(),
         }))
     }
 
@@ -481,18 +460,17 @@ impl pb::consumer_server::Consumer for ConsumerService {
     ) -> Result<Response<pb::IdentifyResponse>, Status> {
         let producer = request.into_inner().producer_database_id;
         let storage = self.storage;
-        let identity = with_locked(&self.conn, move |conn: &mut Connection| {
-            // A database deleted or replaced under us must not vouch for its history.
-            // Reported like a failed commit: the consumer cannot accept, so it says so
-            // (NOT_SERVING, one log line) even before any envelope reaches its writer.
-            storage.before_commit().map_err(|e| {
-                storage.commit_failed(&e);
-                store_status("identify", &e)
-            })?;
-            let tx = conn.transaction().map_err(|e| storage_status("identify", &e))?;
-            store::identity(&tx).map_err(|e| store_status("identify", &e))
-        })
-        .await??;
+        // A database deleted or replaced under us must not vouch for its history.
+        // Reported like a failed commit: the consumer cannot accept, so it says so
+        // (NOT_SERVING, one log line) even before any envelope reaches its writer.
+        storage.before_commit().map_err(|e| {
+            storage.commit_failed(&e);
+            e.status("identify")
+        })?;
+        let identity = self.store.identity().await.map_err(|e| {
+            storage.commit_failed(&e);
+            e.status("identify")
+        })?;
         // Debug only: an idle `relay run` asks about once a second.
         tracing::debug!(
             producer_database_id = %producer,
@@ -511,12 +489,7 @@ impl pb::consumer_server::Consumer for ConsumerService {
         request: Request<pb::ListStuckRequest>,
     ) -> Result<Response<pb::ListStuckResponse>, Status> {
         let limit = request::stuck_limit(request.into_inner().limit).map_err(invalid)?;
-        let (flows, total) = with_locked(&self.conn, move |conn: &mut Connection| {
-            let tx = conn.transaction()?;
-            store::backlog(&tx, limit as usize)
-        })
-        .await?
-        .map_err(|e: StoreError| store_status("list_stuck", &e))?;
+        let (flows, total) = self.store.backlog(limit as usize).await.map_err(|e| e.status("list_stuck"))?;
         let flows = flows
             .into_iter()
             .map(|b| {

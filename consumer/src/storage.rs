@@ -1,25 +1,26 @@
-//! Whether consumer.db can still commit, and what the process does about it: every commit is
-//! preceded by [`StorageWatch::before_commit`] (the file at the path is still the one this
-//! process opened: a deleted or replaced database is never written through an unlinked
-//! inode), every commit outcome is reported to the watch (a change of state is logged once,
-//! with its cause, and flips gRPC health between `SERVING` and `NOT_SERVING`), and while
-//! storage fails a recovery thread probes it and, in auto-apply mode, applies what the
-//! failure left unapplied, so recovery needs no operator call.
+//! Whether the consumer's database can still commit, and what the process does about it,
+//! for either backend: every commit is preceded by [`StorageWatch::before_commit`] (on
+//! SQLite, the file at the path is still the one this process opened: a deleted or replaced
+//! database is never written through an unlinked inode), every commit outcome is reported
+//! to the watch (a change of state is logged once, with its cause, and flips gRPC health
+//! between `SERVING` and `NOT_SERVING`; on PostgreSQL a lost server counts as a failing
+//! commit), and while storage fails a recovery task probes it and, in auto-apply mode,
+//! applies what the failure left unapplied, so recovery needs no operator call.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use rusqlite::Connection;
-use tokio::sync::watch;
+use proto::target::DbTarget;
+use tokio::sync::{Notify, watch};
 
 use crate::apply::{self, ApplyOptions};
-use crate::store::{self, StoreError};
+use crate::store::{ConsumerStore, StoreError};
 
 /// Test hook, armed only through the environment like crash points: while the file this
-/// variable names exists, every consumer.db commit fails as a full disk does. Used where the
-/// machine cannot mount a small filesystem to fill for real.
+/// variable names exists, every consumer commit fails as a full disk does (either backend).
+/// Used where the machine cannot mount a small filesystem to fill for real.
 pub const FAULT_ENV: &str = "ORDERED_EVENTS_FAULT_COMMIT_FAILS_WHILE";
 
 /// The first pause between recovery attempts, and its cap.
@@ -39,26 +40,27 @@ fn sidecar(path: &Path, suffix: &str) -> PathBuf {
     PathBuf::from(name)
 }
 
-/// The storage state of one consumer.db, shared by the writer, the appliers, the recovery
-/// thread and the health service.
+/// The storage state of one consumer database, shared by the writer, the appliers, the
+/// recovery task and the health service.
 #[derive(Debug)]
 pub struct StorageWatch {
-    path: PathBuf,
-    /// The database file and its WAL as this process opened them.
-    opened: [(PathBuf, Option<FileId>); 2],
+    /// The database, as logs show it (password hidden).
+    shown: String,
+    /// A SQLite database file and its WAL as this process opened them (none on PostgreSQL).
+    opened: Vec<(PathBuf, Option<FileId>)>,
     fault: Option<PathBuf>,
     /// The cause of the current failure, `None` while commits succeed.
     failing: Mutex<Option<String>>,
     /// Set when auto-apply must run again over every flow (a failure may have left rows).
     apply_owed: std::sync::atomic::AtomicBool,
     serving: watch::Sender<bool>,
-    wake: Mutex<Option<std::sync::mpsc::Sender<()>>>,
+    wake: Notify,
 }
 
 impl StorageWatch {
-    /// Records the identity of `path` and its `-wal` as opened now (call right after the
-    /// connection is open), and reads the fault hook from the environment.
-    pub fn new(path: &Path) -> StorageWatch {
+    /// For a SQLite target, records the identity of the file and its `-wal` as opened now
+    /// (call right after the connection is open); reads the fault hook from the environment.
+    pub fn new(target: &DbTarget) -> StorageWatch {
         let fault = std::env::var_os(FAULT_ENV).filter(|v| !v.is_empty()).map(PathBuf::from);
         if let Some(fault) = &fault {
             tracing::warn!(
@@ -67,16 +69,21 @@ impl StorageWatch {
                 "FAULT INJECTION ARMED: consumer.db commits fail while this file exists"
             );
         }
-        let db = path.to_owned();
-        let wal = sidecar(path, "-wal");
+        let opened = match target {
+            DbTarget::Sqlite(path) => {
+                let wal = sidecar(path, "-wal");
+                vec![(path.clone(), file_id(path)), (wal.clone(), file_id(&wal))]
+            }
+            DbTarget::Postgres(_) => Vec::new(),
+        };
         StorageWatch {
-            path: path.to_owned(),
-            opened: [(db.clone(), file_id(&db)), (wal.clone(), file_id(&wal))],
+            shown: target.to_string(),
+            opened,
             fault,
             failing: Mutex::new(None),
             apply_owed: std::sync::atomic::AtomicBool::new(false),
             serving: watch::channel(true).0,
-            wake: Mutex::new(None),
+            wake: Notify::new(),
         }
     }
 
@@ -105,9 +112,9 @@ impl StorageWatch {
         if let Some(fault) = &self.fault
             && fault.exists()
         {
-            return Err(StoreError::Sqlite(rusqlite::Error::SqliteFailure(
-                rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_FULL),
-                Some(format!("database or disk is full (injected: {} exists)", fault.display())),
+            return Err(StoreError::Failed(format!(
+                "database or disk is full (injected: {} exists)",
+                fault.display()
             )));
         }
         Ok(())
@@ -117,14 +124,14 @@ impl StorageWatch {
     /// not reported. The first failure (or a new cause) is logged once, health goes
     /// `NOT_SERVING`, and the recovery thread starts probing.
     pub fn commit_failed(&self, error: &StoreError) {
-        if !is_storage_failure(error) {
+        if !error.is_storage_failure() {
             return;
         }
         let cause = error.to_string();
         let mut failing = runtime::blocking::lock(&self.failing);
         if failing.as_deref() != Some(cause.as_str()) {
             tracing::error!(
-                db = %self.path.display(),
+                db = %self.shown,
                 error = %cause,
                 "consumer.db cannot commit: health NOT_SERVING, nothing is accepted or applied until it can \
                  (retried with backoff)"
@@ -134,16 +141,14 @@ impl StorageWatch {
         drop(failing);
         self.apply_owed.store(true, std::sync::atomic::Ordering::Release);
         self.serving.send_if_modified(|s| std::mem::replace(s, false));
-        if let Some(wake) = runtime::blocking::lock(&self.wake).as_ref() {
-            let _ = wake.send(());
-        }
+        self.wake.notify_one();
     }
 
     /// Reports a successful commit: after a failure, logged once, and health goes `SERVING`.
     pub fn commit_succeeded(&self) {
         let mut failing = runtime::blocking::lock(&self.failing);
         if let Some(cause) = failing.take() {
-            tracing::info!(db = %self.path.display(), after = %cause, "consumer.db commits again: health SERVING");
+            tracing::info!(db = %self.shown, after = %cause, "consumer.db commits again: health SERVING");
             self.serving.send_replace(true);
         }
     }
@@ -158,35 +163,25 @@ impl StorageWatch {
         self.serving.subscribe()
     }
 
-    /// Starts the recovery thread: while storage fails it probes with a real commit (backing
-    /// off from 100 ms to 5 s); in auto-apply mode it then applies every flow with
-    /// unapplied rows, until a whole pass succeeds.
-    pub fn spawn_recovery(
-        &'static self,
-        conn: std::sync::Arc<Mutex<Connection>>,
-        auto_apply: Option<ApplyOptions>,
-    ) -> std::io::Result<()> {
-        let (wake, woken) = std::sync::mpsc::channel::<()>();
-        *runtime::blocking::lock(&self.wake) = Some(wake);
-        std::thread::Builder::new().name("storage-recovery".into()).spawn(move || {
+    /// Starts the recovery task (on the current runtime): while storage fails it probes
+    /// with a real commit (backing off from 100 ms to 5 s); in auto-apply mode it then
+    /// applies every flow with unapplied rows, until a whole pass succeeds.
+    pub fn spawn_recovery(&'static self, store: ConsumerStore, auto_apply: Option<ApplyOptions>) {
+        tokio::spawn(async move {
             let mut pause = RETRY_FIRST;
             loop {
                 let owed = self.apply_owed.load(std::sync::atomic::Ordering::Acquire) && auto_apply.is_some();
                 if !self.is_failing() && !owed {
                     pause = RETRY_FIRST;
-                    if woken.recv().is_err() {
-                        return;
-                    }
+                    self.wake.notified().await;
                     continue;
                 }
-                match woken.recv_timeout(pause) {
-                    Ok(()) => continue,
-                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
-                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                if tokio::time::timeout(pause, self.wake.notified()).await.is_ok() {
+                    continue;
                 }
                 pause = (pause * 2).min(RETRY_CAP);
                 if self.is_failing() {
-                    match self.probe(&conn) {
+                    match store.probe(self).await {
                         Ok(()) => self.commit_succeeded(),
                         Err(e) => {
                             self.commit_failed(&e);
@@ -196,28 +191,17 @@ impl StorageWatch {
                 }
                 if let Some(opts) = auto_apply {
                     self.apply_owed.store(false, std::sync::atomic::Ordering::Release);
-                    reapply(&conn, opts);
+                    reapply(&store, opts).await;
                 }
             }
-        })?;
-        Ok(())
-    }
-
-    /// One real commit: a write to the identity row, checked like every other commit.
-    fn probe(&self, conn: &Mutex<Connection>) -> Result<(), StoreError> {
-        let mut conn = runtime::blocking::lock(conn);
-        let tx = proto::db::begin_immediate(&mut conn)?;
-        store::touch_probe(&tx, runtime::now_us())?;
-        self.before_commit()?;
-        tx.commit()?;
-        Ok(())
+        });
     }
 }
 
 /// After a failure, in auto-apply mode: every flow with unapplied rows, as at start-up.
 /// Failures are reported to the watch by the apply loop, which owes another pass then.
-fn reapply(conn: &Mutex<Connection>, opts: ApplyOptions) {
-    match apply::apply_all(conn, crate::request::DEFAULT_MAX_STEPS, opts) {
+async fn reapply(store: &ConsumerStore, opts: ApplyOptions) {
+    match apply::apply_all(store, crate::request::DEFAULT_MAX_STEPS, opts).await {
         Ok(results) => {
             let applied: usize =
                 results.iter().filter_map(|r| r.outcome.as_ref().ok()).map(|r| r.applied.len()).sum();
@@ -229,17 +213,5 @@ fn reapply(conn: &Mutex<Connection>, opts: ApplyOptions) {
                 watch.commit_failed(&e);
             }
         }
-    }
-}
-
-/// Whether an error means storage cannot commit (as opposed to contention or a bad row).
-pub fn is_storage_failure(error: &StoreError) -> bool {
-    match error {
-        // A constraint or a trigger refuses one row; the storage itself is fine.
-        StoreError::Sqlite(e) => {
-            !proto::db::is_busy(e) && e.sqlite_error_code() != Some(rusqlite::ErrorCode::ConstraintViolation)
-        }
-        StoreError::FileReplaced(_) => true,
-        StoreError::Inconsistent(_) => false,
     }
 }

@@ -1,17 +1,27 @@
-//! All SQL of consumer.db. `insert_pending` (accepted) and `apply_step` (projection, effect
-//! and inbox mark: applied) each run inside the caller's `BEGIN IMMEDIATE` transaction, so
-//! this module is the one owner of the file's invariants: a stored body never changes, and
-//! a flow's effects are a contiguous prefix of its seqs, each applied once.
+//! All SQL of consumer.db (the SQLite backend). `insert_pending` (accepted) and `apply_step`
+//! (projection, effect and inbox mark: applied) each run inside a `BEGIN IMMEDIATE`
+//! transaction the batch functions here open, so this module is the one owner of the file's
+//! invariants: a stored body never changes, and a flow's effects are a contiguous prefix of
+//! its seqs, each applied once. Work runs on blocking threads, never the async runtime's.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use proto::body::Event;
 use proto::crash::{CrashPoint, CrashSwitch};
-use proto::db::{self, DbError, DbKind};
-use proto::flow::{FlowState, Kind};
+use proto::db::{self, DbError, DbKind, StepFailure};
+use proto::flow::Kind;
+use runtime::blocking::{lock, with_locked};
 use rusqlite::{Connection, OptionalExtension, Transaction, params};
 
-use crate::rules::{BlockReason, Projection};
+use super::{
+    Admission, Backlog, BatchAnswer, EffectRecord, FlowView, Identity, InboxRecord, InboxState, Incoming,
+    Next, RawInbox, ReceiveContext, ReceiveOutcome, Received, Result, StepOutcome, StoreError,
+    UnappliedReader, checked_projection,
+};
+use crate::apply::{ApplyFailure, ApplyOptions, ApplyReport, FlowResult, Stop};
+use crate::rules::{BlockReason, Decision, Projection, decide_next};
+use crate::storage::StorageWatch;
 
 /// consumer.db: identity and schema (version 2: version 1 plus the database identity;
 /// version 3: the state and reason checks without `IN` lists; a new file gets version 1's
@@ -109,127 +119,480 @@ WHEN old.state <> 'applied' AND new.state = 'applied'
 BEGIN UPDATE backlog SET unapplied = unapplied - 1 WHERE id = 1; END;
 ";
 
-/// Why a store call failed.
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    /// SQLite failed (busy, I/O, constraint).
-    #[error(transparent)]
-    Sqlite(#[from] rusqlite::Error),
-    /// The file holds something this module never writes (edited by hand, or a bug).
-    #[error("consumer.db is inconsistent: {0}")]
-    Inconsistent(String),
-    /// The file at the database's path is no longer the one this process has open.
-    #[error("{0}")]
-    FileReplaced(String),
-}
-
-/// Result of a store call.
-pub type Result<T> = std::result::Result<T, StoreError>;
-
 /// Opens (creating if needed) consumer.db with the shared settings.
 pub fn open(path: &Path) -> std::result::Result<Connection, DbError> {
     db::open_logged(path, &KIND, db::OpenMode::Create)
 }
 
-/// An inbox row's state: accepted (`pending` or `blocked`) or `applied`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum InboxState {
-    /// Accepted, waiting for its turn.
-    Pending,
-    /// Accepted, and the applier found it cannot be applied (the row says why).
-    Blocked,
-    /// Applied: its effect is recorded.
-    Applied,
-}
-
-impl InboxState {
-    /// The lowercase name, exactly as stored and sent.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            InboxState::Pending => "pending",
-            InboxState::Blocked => "blocked",
-            InboxState::Applied => "applied",
-        }
-    }
-
-    fn parse(s: &str) -> Option<InboxState> {
-        match s {
-            "pending" => Some(InboxState::Pending),
-            "blocked" => Some(InboxState::Blocked),
-            "applied" => Some(InboxState::Applied),
-            _ => None,
+impl From<rusqlite::Error> for StoreError {
+    /// Busy or locked is contention (retryable); a constraint or trigger refused one row;
+    /// anything else is the storage failing. The text is SQLite's own.
+    fn from(e: rusqlite::Error) -> StoreError {
+        if db::is_busy(&e) {
+            StoreError::Busy(e.to_string())
+        } else if e.sqlite_error_code() == Some(rusqlite::ErrorCode::ConstraintViolation) {
+            StoreError::Refused(e.to_string())
+        } else {
+            StoreError::Failed(e.to_string())
         }
     }
 }
 
-/// One inbox row.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct InboxRecord {
-    /// The event's id.
-    pub event_id: String,
-    /// Its flow.
-    pub flow_id: String,
-    /// Its seq in the flow.
-    pub seq: u64,
-    /// The step it makes, as sent.
-    pub kind: String,
-    /// Its payload schema.
-    pub schema: u32,
-    /// The canonical body, stored verbatim.
-    pub body: String,
-    /// Where it is: pending, blocked or applied.
-    pub state: InboxState,
-    /// Why it is blocked (only while blocked).
-    pub reason: Option<BlockReason>,
+/// consumer.db: one connection, used on blocking threads only (the async methods run their
+/// work with `spawn_blocking`), and the file's path for the metrics' read-only connection.
+#[derive(Clone)]
+pub struct SqliteStore {
+    conn: Arc<Mutex<Connection>>,
+    path: PathBuf,
 }
 
-/// One effect row: the record an applied step leaves.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct EffectRecord {
-    /// The applied event.
-    pub event_id: String,
-    /// Its flow.
-    pub flow_id: String,
-    /// Its seq: a flow's effects are seqs 1..n, each once.
-    pub seq: u64,
-    /// The step it made.
-    pub kind: String,
-    /// Units held after it.
-    pub held: i64,
+impl SqliteStore {
+    /// Opens (creating if needed) consumer.db and logs its settings. Blocking.
+    pub fn open(path: &Path) -> std::result::Result<SqliteStore, DbError> {
+        let conn = open(path)?;
+        Ok(SqliteStore { conn: Arc::new(Mutex::new(conn)), path: path.to_owned() })
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Runs `f` with the connection locked, on a blocking thread.
+    async fn with_conn<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Connection) -> Result<R> + Send + 'static,
+    ) -> Result<R> {
+        with_locked(&self.conn, f).await.map_err(|e| StoreError::Failed(e.to_string()))?
+    }
+
+    pub(crate) async fn identity(&self) -> Result<Identity> {
+        self.with_conn(|conn| {
+            let tx = conn.transaction()?;
+            identity(&tx)
+        })
+        .await
+    }
+
+    pub(crate) async fn receive_batch(
+        &self,
+        batch: Arc<Vec<Incoming>>,
+        ctx: ReceiveContext,
+    ) -> Vec<BatchAnswer> {
+        let len = batch.len();
+        let conn = Arc::clone(&self.conn);
+        match tokio::task::spawn_blocking(move || receive_batch(&mut lock(&conn), &batch, ctx)).await {
+            Ok(answers) => answers,
+            Err(e) => {
+                let e = StoreError::Failed(format!("receive task failed: {e}"));
+                (0..len).map(|_| Some(Err(e.clone()))).collect()
+            }
+        }
+    }
+
+    pub(crate) async fn apply_flows(
+        &self,
+        flows: Vec<String>,
+        max_steps: u32,
+        opts: ApplyOptions,
+    ) -> Vec<FlowResult> {
+        let names = flows.clone();
+        let conn = Arc::clone(&self.conn);
+        match tokio::task::spawn_blocking(move || apply_flows(&conn, flows, max_steps, opts)).await {
+            Ok(results) => results,
+            Err(e) => names
+                .into_iter()
+                .map(|flow_id| FlowResult {
+                    flow_id,
+                    outcome: Err(ApplyFailure {
+                        applied: Vec::new(),
+                        source: StoreError::Failed(format!("apply task failed: {e}")),
+                    }),
+                })
+                .collect(),
+        }
+    }
+
+    pub(crate) async fn flows_with_unapplied(&self, after: String, limit: usize) -> Result<Vec<String>> {
+        self.with_conn(move |conn| flows_with_unapplied(conn, &after, limit)).await
+    }
+
+    pub(crate) async fn flow(&self, flow_id: String) -> Result<FlowView> {
+        self.with_conn(move |conn| {
+            // One read transaction so projection, inbox and effects are one snapshot.
+            let tx = conn.transaction()?;
+            Ok(FlowView {
+                projection: projection(&tx, &flow_id)?,
+                inbox: flow_inbox(&tx, &flow_id)?,
+                effects: flow_effects(&tx, &flow_id)?,
+            })
+        })
+        .await
+    }
+
+    pub(crate) async fn backlog(&self, limit: usize) -> Result<(Vec<Backlog>, u64)> {
+        self.with_conn(move |conn| {
+            let tx = conn.transaction()?;
+            backlog(&tx, limit)
+        })
+        .await
+    }
+
+    pub(crate) async fn probe(&self, watch: &'static StorageWatch) -> Result<()> {
+        self.with_conn(move |conn| {
+            let tx = db::begin_immediate(conn)?;
+            touch_probe(&tx, runtime::now_us())?;
+            watch.before_commit()?;
+            tx.commit()?;
+            Ok(())
+        })
+        .await
+    }
+
+    pub(crate) async fn unapplied_count(&self) -> Result<u64> {
+        self.with_conn(|conn| unapplied_count(conn)).await
+    }
+
+    pub(crate) fn unapplied_reader(&self) -> UnappliedReader {
+        let path = self.path.clone();
+        let conn: Mutex<Option<Connection>> = Mutex::new(None);
+        Arc::new(move || {
+            let mut conn = lock(&conn);
+            if conn.is_none() {
+                let flags = rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY;
+                let opened = Connection::open_with_flags(&path, flags)
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                *conn = Some(opened);
+            }
+            let Some(conn) = conn.as_ref() else { return Ok(0) };
+            unapplied_count(conn).map_err(|e| e.to_string())
+        })
+    }
+
+    /// Runs SQL on the connection (tests add triggers and edit rows by hand).
+    #[cfg(test)]
+    pub(crate) fn execute_batch(&self, sql: &str) {
+        lock(&self.conn).execute_batch(sql).unwrap();
+    }
 }
 
-/// What `insert_pending` decided (SPEC §6).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ReceiveOutcome {
-    /// Inserted as pending; the caller commits, then answers.
-    Accepted,
-    /// The same canonical body is stored under this event id; nothing written.
-    Duplicate,
-    /// This event id is stored with a different body; nothing written.
-    IdConflict,
-    /// Another event id holds this (flow_id, seq); nothing written.
-    SequenceConflict {
-        /// The event id stored at that seq.
-        held_by: String,
-    },
-    /// The inbox holds `unapplied` rows, at or over the cap, and this event fills no gap;
-    /// nothing written. The sender retries later.
-    BacklogFull {
-        /// Unapplied rows in the inbox.
-        unapplied: u64,
-    },
+/// The Receive batch on SQLite: one `BEGIN IMMEDIATE` transaction, a savepoint per envelope
+/// (see [`ConsumerStore::receive_batch`](super::ConsumerStore::receive_batch)). An envelope
+/// whose stream already failed is not stored; every failed envelope fails its stream.
+fn receive_batch(conn: &mut Connection, jobs: &[Incoming], ctx: ReceiveContext) -> Vec<BatchAnswer> {
+    let storage = ctx.storage;
+    let report = |e: &StoreError| {
+        if let Some(watch) = storage {
+            watch.commit_failed(e);
+        }
+    };
+    let fail_all = |e: StoreError| -> Vec<BatchAnswer> {
+        jobs.iter()
+            .map(|job| {
+                job.stream.fail();
+                Some(Err(e.clone()))
+            })
+            .collect()
+    };
+    let tx = match db::begin_immediate(conn) {
+        Ok(tx) => tx,
+        Err(e) => {
+            let e = StoreError::from(e);
+            report(&e);
+            return fail_all(e);
+        }
+    };
+    let mut results = Vec::with_capacity(jobs.len());
+    let mut inserted = false;
+    for job in jobs {
+        if job.stream.failed() {
+            results.push(None);
+            continue;
+        }
+        let now = runtime::now_us();
+        let decided = db::in_savepoint(&tx, |tx| {
+            let outcome = insert_pending(tx, &job.event, now, ctx.admission)?;
+            let position = match outcome {
+                ReceiveOutcome::Accepted => u64::try_from(tx.last_insert_rowid()).unwrap_or(0),
+                ReceiveOutcome::Duplicate => inbox_position(tx, &job.event.event_id)?.unwrap_or(0),
+                _ => 0,
+            };
+            Ok::<_, StoreError>(Received { outcome, position })
+        });
+        match decided {
+            Ok(received) => {
+                if received.outcome == ReceiveOutcome::Accepted {
+                    inserted = true;
+                    ctx.crash.reach(CrashPoint::ConsumerReceiveAfterInsert);
+                }
+                results.push(Some(Ok(received)));
+            }
+            Err(StepFailure::RolledBack(e)) => {
+                report(&e);
+                job.stream.fail();
+                results.push(Some(Err(e)));
+            }
+            Err(StepFailure::TransactionLost(e)) => {
+                drop(tx);
+                report(&e);
+                return fail_all(e);
+            }
+        }
+    }
+    if !inserted {
+        // Nothing was written; dropping the transaction releases the lock.
+        return results;
+    }
+    if let Some(refused) = storage.map_or(Ok(()), |watch| watch.before_commit()).err() {
+        drop(tx);
+        report(&refused);
+        return fail_all(refused);
+    }
+    if let Err(e) = tx.commit() {
+        let e = StoreError::from(e);
+        report(&e);
+        return fail_all(e);
+    }
+    if let Some(watch) = storage {
+        watch.commit_succeeded();
+    }
+    ctx.crash.reach(CrashPoint::ConsumerReceiveAfterCommit);
+    results
 }
 
-/// How many unapplied rows the inbox may hold before new events are refused for now.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Admission {
-    /// No cap.
-    #[default]
-    Unlimited,
-    /// At most this many unapplied rows; an event that is exactly the next seq of a flow
-    /// already waiting in the inbox is always admitted, so a full backlog never starves the
-    /// event the stored rows wait for. A new flow's first event gets no such pass.
-    Cap(u64),
+/// One flow's progress while a group runs.
+struct FlowRun {
+    flow_id: String,
+    /// Applied and committed.
+    committed: Vec<String>,
+    /// Applied inside the open transaction.
+    pending: Vec<String>,
+    /// Wrote anything (a step or a blocked mark) inside the open transaction.
+    wrote: bool,
+    /// The projection this flow's last step wrote inside the open transaction (what a read
+    /// would return now); `None` at the start of each transaction, so it is read again.
+    known: Option<Projection>,
+    end: Option<std::result::Result<(Stop, Projection), StoreError>>,
+}
+
+/// What one step inside the open transaction did.
+enum Progress {
+    Applied { event_id: String, after: Projection },
+    Stopped { stop: Stop, projection: Projection, wrote: bool },
+}
+
+/// Applies each of `flows` in turn, up to `max_steps` each, with consecutive steps of many
+/// flows in one `BEGIN IMMEDIATE` transaction of up to `opts.max_batch` steps. Each step is
+/// its own savepoint: a failing step rolls back alone and fails only its flow (the others'
+/// steps in the same transaction commit); if the whole transaction is lost, every flow that
+/// wrote in it fails and keeps only what was committed before. `consumer.apply.after_commit`
+/// is reached after each commit that holds an applied step. Blocking: call it on a blocking
+/// thread.
+fn apply_flows(
+    shared: &Mutex<Connection>,
+    flows: Vec<String>,
+    max_steps: u32,
+    opts: ApplyOptions,
+) -> Vec<FlowResult> {
+    let mut runs: Vec<FlowRun> = flows
+        .into_iter()
+        .map(|flow_id| FlowRun {
+            flow_id,
+            committed: Vec::new(),
+            pending: Vec::new(),
+            wrote: false,
+            known: None,
+            end: None,
+        })
+        .collect();
+    let max_batch = opts.max_batch.max(1);
+    let mut next = 0;
+    while next < runs.len() {
+        let mut guard = lock(shared);
+        let started = std::time::Instant::now();
+        let tx = match db::begin_immediate(&mut guard) {
+            Ok(tx) => tx,
+            Err(e) => {
+                let e = StoreError::from(e);
+                if let Some(watch) = opts.storage {
+                    watch.commit_failed(&e);
+                }
+                // No write lock (busy past the timeout, or worse): every flow not yet done fails.
+                for run in &mut runs[next..] {
+                    run.end = Some(Err(e.clone()));
+                }
+                break;
+            }
+        };
+        let mut steps = 0;
+        let mut lost = None;
+        while next < runs.len() && steps < max_batch {
+            let run = &mut runs[next];
+            let budget_left = run.committed.len() + run.pending.len() < max_steps as usize;
+            match step_in_tx(&tx, &run.flow_id, run.known, budget_left, &opts) {
+                Ok(Progress::Applied { event_id, after }) => {
+                    run.known = Some(after);
+                    run.pending.push(event_id);
+                    run.wrote = true;
+                    steps += 1;
+                }
+                Ok(Progress::Stopped { stop, projection, wrote }) => {
+                    run.wrote |= wrote;
+                    steps += usize::from(wrote);
+                    run.end = Some(Ok((stop, projection)));
+                    next += 1;
+                }
+                Err(StepFailure::RolledBack(e)) => {
+                    run.end = Some(Err(e));
+                    next += 1;
+                }
+                Err(StepFailure::TransactionLost(e)) => {
+                    lost = Some(e.clone());
+                    run.end = Some(Err(e));
+                    run.pending.clear();
+                    run.wrote = false;
+                    next += 1;
+                    break;
+                }
+            }
+        }
+        for run in &mut runs {
+            run.known = None;
+        }
+        let applied_any = runs.iter().any(|r| !r.pending.is_empty());
+        let wrote_any = runs.iter().any(|r| r.wrote);
+        let finished = if let Some(e) = lost {
+            drop(tx);
+            Err(e)
+        } else if wrote_any {
+            match opts.storage.map_or(Ok(()), |watch| watch.before_commit()) {
+                Ok(()) => tx.commit().map_err(StoreError::from),
+                Err(refused) => {
+                    drop(tx);
+                    Err(refused)
+                }
+            }
+        } else {
+            // Nothing written: dropping the transaction releases the lock.
+            drop(tx);
+            Ok(())
+        };
+        drop(guard);
+        if let Some(watch) = opts.storage {
+            match &finished {
+                Ok(()) if wrote_any => watch.commit_succeeded(),
+                Ok(()) => {}
+                Err(e) => watch.commit_failed(e),
+            }
+        }
+        match finished {
+            Ok(()) => {
+                if applied_any {
+                    crate::apply::APPLY_BATCHES
+                        .record_timed(runs.iter().map(|r| r.pending.len()).sum(), started);
+                }
+                for run in &mut runs {
+                    let pending = std::mem::take(&mut run.pending);
+                    run.committed.extend(pending);
+                    run.wrote = false;
+                }
+                if applied_any {
+                    opts.crash.reach(CrashPoint::ConsumerApplyAfterCommit);
+                }
+            }
+            Err(e) => {
+                for run in runs.iter_mut().filter(|r| r.wrote) {
+                    run.pending.clear();
+                    run.wrote = false;
+                    run.end = Some(Err(e.clone()));
+                }
+            }
+        }
+    }
+    runs.into_iter()
+        .map(|run| {
+            let outcome = match run.end {
+                Some(Ok((stop, projection))) => {
+                    Ok(ApplyReport { flow_id: run.flow_id.clone(), applied: run.committed, stop, projection })
+                }
+                Some(Err(source)) => Err(ApplyFailure { applied: run.committed, source }),
+                None => Err(ApplyFailure {
+                    applied: run.committed,
+                    source: StoreError::Inconsistent("apply stopped before this flow was reached".into()),
+                }),
+            };
+            crate::apply::finish(run.flow_id, outcome, &opts)
+        })
+        .collect()
+}
+
+/// A failure outside a savepoint (a read): the transaction survives unless SQLite dropped it.
+fn classify(tx: &Transaction<'_>, e: StoreError) -> StepFailure<StoreError> {
+    if tx.is_autocommit() { StepFailure::TransactionLost(e) } else { StepFailure::RolledBack(e) }
+}
+
+/// Reads the projection (unless this transaction's previous step of the flow just wrote it:
+/// `known`) and the row at its next seq inside the open transaction, decides, and writes the
+/// decision in its own savepoint.
+fn step_in_tx(
+    tx: &Transaction<'_>,
+    flow_id: &str,
+    known: Option<Projection>,
+    budget_left: bool,
+    opts: &ApplyOptions,
+) -> std::result::Result<Progress, StepFailure<StoreError>> {
+    let from = match known {
+        Some(projection) => projection,
+        None => projection(tx, flow_id).map_err(|e| classify(tx, e))?,
+    };
+    let next = next_to_apply(tx, flow_id, from.next_seq()).map_err(|e| classify(tx, e))?;
+    let row = match next {
+        Next::Idle => return Ok(Progress::Stopped { stop: Stop::Idle, projection: from, wrote: false }),
+        Next::Gap => {
+            let stop = Stop::Gap { waiting_for_seq: from.next_seq() };
+            return Ok(Progress::Stopped { stop, projection: from, wrote: false });
+        }
+        Next::Row(row) => row,
+    };
+    if !budget_left {
+        return Ok(Progress::Stopped { stop: Stop::Limit, projection: from, wrote: false });
+    }
+    let event = Event::from_canonical_body(&row.body).map_err(|e| {
+        StepFailure::RolledBack(StoreError::Inconsistent(format!("inbox {}: {e}", row.event_id)))
+    })?;
+    match decide_next(&from, &event, opts.support_v2) {
+        Decision::Block { reason, detail } => {
+            let mut wrote = false;
+            if row.state != InboxState::Blocked || row.reason != Some(reason) {
+                wrote = db::in_savepoint(tx, |tx| mark_blocked(tx, &row.event_id, reason))?;
+                if wrote {
+                    tracing::warn!(
+                        flow_id,
+                        event_id = %row.event_id,
+                        seq = row.seq,
+                        reason = reason.as_str(),
+                        %detail,
+                        "event blocked: kept stored, re-evaluated on every Apply"
+                    );
+                }
+            }
+            let stop = Stop::Blocked { event_id: row.event_id, reason, detail };
+            Ok(Progress::Stopped { stop, projection: from, wrote })
+        }
+        Decision::Apply { kind, after } => {
+            let now = runtime::now_us();
+            match db::in_savepoint(tx, |tx| apply_step(tx, &row, &from, kind, &after, &opts.crash, now))? {
+                StepOutcome::Applied => {
+                    tracing::debug!(flow_id, event_id = %row.event_id, seq = row.seq, "applied");
+                    Ok(Progress::Applied { event_id: row.event_id, after })
+                }
+                // The projection was read inside this same transaction: it cannot have moved.
+                StepOutcome::Raced => Err(StepFailure::RolledBack(StoreError::Inconsistent(format!(
+                    "projection of {flow_id} moved inside the apply transaction"
+                )))),
+            }
+        }
+    }
 }
 
 /// Inside the caller's `BEGIN IMMEDIATE` transaction: stores `event` as pending unless its
@@ -290,15 +653,6 @@ fn stored_outcome(tx: &Transaction<'_>, event: &Event, body: &str) -> Result<Opt
     Ok(holder.map(|held_by| ReceiveOutcome::SequenceConflict { held_by }))
 }
 
-/// This database's identity and how far its durable history reaches.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Identity {
-    /// The random id created with the database.
-    pub database_id: String,
-    /// The highest inbox position (rowid); 0 for an empty inbox.
-    pub highest_position: u64,
-}
-
 /// Reads the identity and the highest inbox position (run it in one read transaction).
 pub fn identity(conn: &Connection) -> Result<Identity> {
     let database_id: String = conn
@@ -348,15 +702,7 @@ pub fn projection(conn: &Connection, flow_id: &str) -> Result<Projection> {
             Ok((r.get::<_, u64>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?, r.get::<_, i64>(3)?))
         })
         .optional()?;
-    match row {
-        None => Ok(Projection::NEW),
-        Some((last_seq, state, held, amount)) => {
-            let state = FlowState::parse(&state).ok_or_else(|| {
-                StoreError::Inconsistent(format!("projection {flow_id}: unknown state {state:?}"))
-            })?;
-            Ok(Projection { last_seq, state, held, amount })
-        }
-    }
+    checked_projection(flow_id, row)
 }
 
 /// The columns `raw_inbox` reads, as a macro so the statements below are literals (built
@@ -371,35 +717,21 @@ macro_rules! inbox_columns {
 const INBOX_AT_SEQ_SQL: &str =
     concat!("SELECT ", inbox_columns!(), " FROM inbox WHERE flow_id = ?1 AND seq = ?2");
 
-type RawInbox = (String, String, u64, String, u32, String, String, Option<String>);
-
 fn raw_inbox(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawInbox> {
-    Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?, r.get(6)?, r.get(7)?))
+    Ok(RawInbox {
+        event_id: r.get(0)?,
+        flow_id: r.get(1)?,
+        seq: r.get(2)?,
+        kind: r.get(3)?,
+        schema: r.get(4)?,
+        body: r.get(5)?,
+        state: r.get(6)?,
+        reason: r.get(7)?,
+    })
 }
 
 fn inbox_record(raw: RawInbox) -> Result<InboxRecord> {
-    let (event_id, flow_id, seq, kind, schema, body, state, reason) = raw;
-    let state = InboxState::parse(&state)
-        .ok_or_else(|| StoreError::Inconsistent(format!("inbox {event_id}: unknown state {state:?}")))?;
-    let reason = match reason {
-        None => None,
-        Some(r) => Some(
-            BlockReason::parse(&r)
-                .ok_or_else(|| StoreError::Inconsistent(format!("inbox {event_id}: unknown reason {r:?}")))?,
-        ),
-    };
-    Ok(InboxRecord { event_id, flow_id, seq, kind, schema, body, state, reason })
-}
-
-/// What is stored at a flow's next seq.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Next {
-    /// The row at exactly the next seq (pending or blocked).
-    Row(InboxRecord),
-    /// Nothing at the next seq, but a later seq is stored.
-    Gap,
-    /// Nothing at or after the next seq.
-    Idle,
+    raw.check()
 }
 
 /// The row at exactly `next_seq` of the flow ("greater than last_seq" would skip a gap), or
@@ -437,16 +769,6 @@ pub fn mark_blocked(tx: &Transaction<'_>, event_id: &str, reason: BlockReason) -
         )?
         .execute(params![event_id, reason.as_str()])?;
     Ok(changed == 1)
-}
-
-/// What `apply_step` did.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StepOutcome {
-    /// Projection, effect and inbox mark written; the caller commits.
-    Applied,
-    /// The stored projection is not the one the decision was made
-    /// on (another applier won): nothing written, decide again.
-    Raced,
 }
 
 /// Inside the caller's `BEGIN IMMEDIATE` transaction, the applied step of SPEC §7: only if
@@ -570,19 +892,6 @@ pub const BACKLOG_BY_FLOW_SQL: &str = "SELECT flow_id, count(*), min(seq) FROM i
 /// Unapplied rows over all flows (a count over the partial index, not the history).
 pub const UNAPPLIED_COUNT_SQL: &str = "SELECT count(*) FROM inbox WHERE state <> 'applied'";
 
-/// One flow that waits with accepted-but-unapplied rows.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Backlog {
-    /// The flow.
-    pub flow_id: String,
-    /// Its applied state.
-    pub projection: Projection,
-    /// Unapplied rows of the flow.
-    pub waiting_rows: u64,
-    /// The lowest unapplied row.
-    pub lowest: InboxRecord,
-}
-
 /// Up to `limit` flows with unapplied rows in flow_id order, each with its projection and
 /// lowest unapplied row, and the total of unapplied rows. Run it in one read transaction.
 pub fn backlog(conn: &Connection, limit: usize) -> Result<(Vec<Backlog>, u64)> {
@@ -609,6 +918,7 @@ pub fn backlog(conn: &Connection, limit: usize) -> Result<(Vec<Backlog>, u64)> {
 mod tests {
     use super::*;
     use crate::rules::{Decision, decide_next};
+    use proto::flow::FlowState;
     use proto::limits::parse_payload;
 
     fn event(flow: &str, seq: u64, kind: &str, schema: u32, payload: &str) -> Event {

@@ -1,0 +1,450 @@
+//! The consumer's store boundary: the domain types every backend shares, the one error enum
+//! ([`StoreError`]) and [`ConsumerStore`], the store the service, the Receive writer, the
+//! applier and the storage watch talk to. Each backend (`sqlite`, `pg`) owns all of its SQL;
+//! no rusqlite or PostgreSQL type crosses this module. The invariants both keep: a stored
+//! body never changes, and a flow's effects are a contiguous prefix of its seqs, each applied
+//! once (a compare-and-set on the projection decides every step).
+//!
+//! An enum over the two backends rather than a trait object: the call sites stay plain
+//! `store.apply_flows(..).await`, there is no `async fn` in a `dyn` trait to box, and a
+//! third backend is one more arm the compiler points at everywhere.
+
+pub mod pg;
+pub mod sqlite;
+#[cfg(test)]
+mod tests;
+
+use std::sync::Arc;
+
+use proto::body::Event;
+use proto::crash::CrashSwitch;
+use proto::target::DbTarget;
+use runtime::OpenError;
+
+use crate::apply::{ApplyOptions, FlowResult};
+use crate::receive::StreamState;
+use crate::rules::{BlockReason, Projection};
+use crate::storage::StorageWatch;
+
+/// Why a store call failed, whatever the backend. The variants say what a caller can do:
+/// retry (`Busy`, `Unavailable`), or report a failure (the others).
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum StoreError {
+    /// Contention: the database is locked by another writer (SQLite busy), or PostgreSQL
+    /// gave up on a serialization failure or deadlock the store could not retry. Retryable.
+    #[error("{0}")]
+    Busy(String),
+    /// The database server cannot be reached or dropped the connection. Retryable, and a
+    /// storage failure (health goes `NOT_SERVING` until a probe commits again).
+    #[error("{0}")]
+    Unavailable(String),
+    /// A constraint or a trigger refused one write; the storage itself is fine.
+    #[error("{0}")]
+    Refused(String),
+    /// The storage failed (I/O error, disk full, any other database error).
+    #[error("{0}")]
+    Failed(String),
+    /// The database holds something this store never writes (edited by hand, or a bug).
+    #[error("consumer.db is inconsistent: {0}")]
+    Inconsistent(String),
+    /// The file at the database's path is no longer the one this process has open.
+    #[error("{0}")]
+    FileReplaced(String),
+}
+
+impl StoreError {
+    /// Whether the caller may simply try again later (`UNAVAILABLE` on the wire).
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, StoreError::Busy(_) | StoreError::Unavailable(_))
+    }
+
+    /// Whether the error means storage cannot commit (health `NOT_SERVING`), as opposed to
+    /// contention or one refused or bad row.
+    pub fn is_storage_failure(&self) -> bool {
+        matches!(self, StoreError::Unavailable(_) | StoreError::Failed(_) | StoreError::FileReplaced(_))
+    }
+
+    /// The gRPC status for this failure of `what`: the one mapping in the consumer.
+    /// Busy and unreachable storage are `UNAVAILABLE` (retryable); everything else
+    /// `INTERNAL`. The call changed nothing that was not committed.
+    pub fn status(&self, what: &str) -> tonic::Status {
+        match self {
+            StoreError::Busy(e) => {
+                tonic::Status::unavailable(format!("{what}: database is busy, retry: {e}"))
+            }
+            StoreError::Unavailable(e) => {
+                tonic::Status::unavailable(format!("{what}: database unavailable, retry: {e}"))
+            }
+            StoreError::Refused(e) | StoreError::Failed(e) => {
+                tonic::Status::internal(format!("{what}: storage failure: {e}"))
+            }
+            StoreError::Inconsistent(_) => tonic::Status::internal(format!("{what}: {self}")),
+            StoreError::FileReplaced(e) => tonic::Status::internal(format!("{what}: storage failure: {e}")),
+        }
+    }
+}
+
+impl From<StoreError> for tonic::Status {
+    fn from(e: StoreError) -> tonic::Status {
+        e.status("storage")
+    }
+}
+
+/// Result of a store call.
+pub type Result<T> = std::result::Result<T, StoreError>;
+
+/// An inbox row's state: accepted (`pending` or `blocked`) or `applied`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InboxState {
+    /// Accepted, waiting for its turn.
+    Pending,
+    /// Accepted, and the applier found it cannot be applied (the row says why).
+    Blocked,
+    /// Applied: its effect is recorded.
+    Applied,
+}
+
+impl InboxState {
+    /// The lowercase name, exactly as stored and sent.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InboxState::Pending => "pending",
+            InboxState::Blocked => "blocked",
+            InboxState::Applied => "applied",
+        }
+    }
+
+    fn parse(s: &str) -> Option<InboxState> {
+        match s {
+            "pending" => Some(InboxState::Pending),
+            "blocked" => Some(InboxState::Blocked),
+            "applied" => Some(InboxState::Applied),
+            _ => None,
+        }
+    }
+}
+
+/// One inbox row.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InboxRecord {
+    /// The event's id.
+    pub event_id: String,
+    /// Its flow.
+    pub flow_id: String,
+    /// Its seq in the flow.
+    pub seq: u64,
+    /// The step it makes, as sent.
+    pub kind: String,
+    /// Its payload schema.
+    pub schema: u32,
+    /// The canonical body, stored verbatim.
+    pub body: String,
+    /// Where it is: pending, blocked or applied.
+    pub state: InboxState,
+    /// Why it is blocked (only while blocked).
+    pub reason: Option<BlockReason>,
+}
+
+/// An inbox row as read, before its stored words are checked.
+pub(crate) struct RawInbox {
+    pub event_id: String,
+    pub flow_id: String,
+    pub seq: u64,
+    pub kind: String,
+    pub schema: u32,
+    pub body: String,
+    pub state: String,
+    pub reason: Option<String>,
+}
+
+impl RawInbox {
+    /// The row, or `Inconsistent` when a stored word is not one this store writes.
+    pub(crate) fn check(self) -> Result<InboxRecord> {
+        let RawInbox { event_id, flow_id, seq, kind, schema, body, state, reason } = self;
+        let state = InboxState::parse(&state)
+            .ok_or_else(|| StoreError::Inconsistent(format!("inbox {event_id}: unknown state {state:?}")))?;
+        let reason = match reason {
+            None => None,
+            Some(r) => Some(BlockReason::parse(&r).ok_or_else(|| {
+                StoreError::Inconsistent(format!("inbox {event_id}: unknown reason {r:?}"))
+            })?),
+        };
+        Ok(InboxRecord { event_id, flow_id, seq, kind, schema, body, state, reason })
+    }
+}
+
+/// A projection as read; `None` for a flow nothing was applied to.
+pub(crate) fn checked_projection(flow_id: &str, row: Option<(u64, String, i64, i64)>) -> Result<Projection> {
+    match row {
+        None => Ok(Projection::NEW),
+        Some((last_seq, state, held, amount)) => {
+            let state = proto::flow::FlowState::parse(&state).ok_or_else(|| {
+                StoreError::Inconsistent(format!("projection {flow_id}: unknown state {state:?}"))
+            })?;
+            Ok(Projection { last_seq, state, held, amount })
+        }
+    }
+}
+
+/// One effect row: the record an applied step leaves.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EffectRecord {
+    /// The applied event.
+    pub event_id: String,
+    /// Its flow.
+    pub flow_id: String,
+    /// Its seq: a flow's effects are seqs 1..n, each once.
+    pub seq: u64,
+    /// The step it made.
+    pub kind: String,
+    /// Units held after it.
+    pub held: i64,
+}
+
+/// What receiving one event decided (SPEC §6).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ReceiveOutcome {
+    /// Inserted as pending; answered after the commit.
+    Accepted,
+    /// The same canonical body is stored under this event id; nothing written.
+    Duplicate,
+    /// This event id is stored with a different body; nothing written.
+    IdConflict,
+    /// Another event id holds this (flow_id, seq); nothing written.
+    SequenceConflict {
+        /// The event id stored at that seq.
+        held_by: String,
+    },
+    /// The inbox holds `unapplied` rows, at or over the cap, and this event fills no gap;
+    /// nothing written. The sender retries later.
+    BacklogFull {
+        /// Unapplied rows in the inbox.
+        unapplied: u64,
+    },
+}
+
+/// What the writer decided for one envelope, and where the event sits in this database's
+/// history (its inbox position; 0 when nothing is stored under its id).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Received {
+    /// The decision.
+    pub outcome: ReceiveOutcome,
+    /// The event's inbox position (0 when nothing is stored under its id).
+    pub position: u64,
+}
+
+/// How many unapplied rows the inbox may hold before new events are refused for now.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Admission {
+    /// No cap.
+    #[default]
+    Unlimited,
+    /// At most this many unapplied rows; an event that is exactly the next seq of a flow
+    /// already waiting in the inbox is always admitted, so a full backlog never starves the
+    /// event the stored rows wait for. A new flow's first event gets no such pass.
+    Cap(u64),
+}
+
+/// This database's identity and how far its durable history reaches.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Identity {
+    /// The random id created with the database.
+    pub database_id: String,
+    /// The highest inbox position; 0 for an empty inbox.
+    pub highest_position: u64,
+}
+
+/// What is stored at a flow's next seq.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Next {
+    /// The row at exactly the next seq (pending or blocked).
+    Row(InboxRecord),
+    /// Nothing at the next seq, but a later seq is stored.
+    Gap,
+    /// Nothing at or after the next seq.
+    Idle,
+}
+
+/// What one applied step's guarded write did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepOutcome {
+    /// Projection, effect and inbox mark written; the caller commits.
+    Applied,
+    /// The stored projection is not the one the decision was made
+    /// on (another applier won): nothing written, decide again.
+    Raced,
+}
+
+/// One flow that waits with accepted-but-unapplied rows.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Backlog {
+    /// The flow.
+    pub flow_id: String,
+    /// Its applied state.
+    pub projection: Projection,
+    /// Unapplied rows of the flow.
+    pub waiting_rows: u64,
+    /// The lowest unapplied row.
+    pub lowest: InboxRecord,
+}
+
+/// One flow as `GetFlow` shows it, read in one snapshot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FlowView {
+    /// The applied state.
+    pub projection: Projection,
+    /// Every inbox row, in seq order.
+    pub inbox: Vec<InboxRecord>,
+    /// Every effect, in seq order.
+    pub effects: Vec<EffectRecord>,
+}
+
+/// One envelope of a Receive batch, with the stream it came on: once an envelope of a stream
+/// failed, the stream's later envelopes are not stored.
+pub struct Incoming {
+    /// The envelope's event (it passed the transport limits).
+    pub event: Event,
+    /// Its stream.
+    pub stream: Arc<StreamState>,
+}
+
+/// One envelope's answer from [`ConsumerStore::receive_batch`]: `None` when it was not
+/// stored because an earlier envelope of its stream failed.
+pub type BatchAnswer = Option<Result<Received>>;
+
+/// How a Receive batch runs.
+#[derive(Clone, Copy, Debug)]
+pub struct ReceiveContext {
+    /// The crash point this process is armed with, if any.
+    pub crash: CrashSwitch,
+    /// The backlog cap.
+    pub admission: Admission,
+    /// Checked before the commit and told its outcome (none in unit tests).
+    pub storage: Option<&'static StorageWatch>,
+}
+
+/// The consumer's store: consumer.db on SQLite or the `ordered_events_consumer` schema on
+/// PostgreSQL. Cheap to clone (a shared connection or a pool).
+#[derive(Clone)]
+pub enum ConsumerStore {
+    /// A SQLite file, one connection used on blocking threads.
+    Sqlite(sqlite::SqliteStore),
+    /// A PostgreSQL schema, a pool of connections.
+    Postgres(pg::PgStore),
+}
+
+impl ConsumerStore {
+    /// Opens (creating if needed) the store `target` names and logs its settings.
+    pub async fn open(target: &DbTarget) -> std::result::Result<ConsumerStore, OpenError> {
+        Ok(match target {
+            DbTarget::Sqlite(path) => {
+                let path = path.clone();
+                let store = tokio::task::spawn_blocking(move || sqlite::SqliteStore::open(&path))
+                    .await
+                    .map_err(|e| OpenError::Identity(format!("opening consumer.db: {e}")))??;
+                ConsumerStore::Sqlite(store)
+            }
+            DbTarget::Postgres(url) => ConsumerStore::Postgres(pg::PgStore::open(url).await?),
+        })
+    }
+
+    /// `sqlite` or `postgres`.
+    pub fn backend(&self) -> &'static str {
+        match self {
+            ConsumerStore::Sqlite(_) => "sqlite",
+            ConsumerStore::Postgres(_) => "postgres",
+        }
+    }
+
+    /// The identity and the highest inbox position, read in one snapshot.
+    pub async fn identity(&self) -> Result<Identity> {
+        match self {
+            ConsumerStore::Sqlite(s) => s.identity().await,
+            ConsumerStore::Postgres(p) => p.identity().await,
+        }
+    }
+
+    /// SPEC §6 for a batch of envelopes in ONE transaction, in order, each in its own
+    /// savepoint (a failing envelope rolls back alone and fails its stream), so a later
+    /// envelope sees an earlier one exactly as after that one's own commit. Commits only when
+    /// something was inserted; every answer is returned after that commit. If the commit
+    /// fails, every envelope gets the error. Crash points `consumer.receive.after_insert`
+    /// (after each accepted insert) and `.after_commit` sit inside.
+    pub async fn receive_batch(&self, batch: Arc<Vec<Incoming>>, ctx: ReceiveContext) -> Vec<BatchAnswer> {
+        match self {
+            ConsumerStore::Sqlite(s) => s.receive_batch(batch, ctx).await,
+            ConsumerStore::Postgres(p) => p.receive_batch(&batch, ctx).await,
+        }
+    }
+
+    /// Applies each of `flows` in turn (SPEC §7), up to `max_steps` each, consecutive steps
+    /// of many flows sharing a transaction of up to `opts.max_batch` steps, each step
+    /// (projection + effect + inbox mark) in its own savepoint; see [`crate::apply`].
+    pub async fn apply_flows(
+        &self,
+        flows: Vec<String>,
+        max_steps: u32,
+        opts: ApplyOptions,
+    ) -> Vec<FlowResult> {
+        match self {
+            ConsumerStore::Sqlite(s) => s.apply_flows(flows, max_steps, opts).await,
+            ConsumerStore::Postgres(p) => p.apply_flows(flows, max_steps, opts).await,
+        }
+    }
+
+    /// Up to `limit` flows with unapplied rows whose id sorts after `after` (start with "").
+    pub async fn flows_with_unapplied(&self, after: String, limit: usize) -> Result<Vec<String>> {
+        match self {
+            ConsumerStore::Sqlite(s) => s.flows_with_unapplied(after, limit).await,
+            ConsumerStore::Postgres(p) => p.flows_with_unapplied(&after, limit).await,
+        }
+    }
+
+    /// The flow's projection, inbox rows and effects, in one snapshot.
+    pub async fn flow(&self, flow_id: String) -> Result<FlowView> {
+        match self {
+            ConsumerStore::Sqlite(s) => s.flow(flow_id).await,
+            ConsumerStore::Postgres(p) => p.flow(&flow_id).await,
+        }
+    }
+
+    /// Up to `limit` flows with unapplied rows in flow_id order, each with its projection
+    /// and lowest unapplied row, and the total of unapplied rows, in one snapshot.
+    pub async fn backlog(&self, limit: usize) -> Result<(Vec<Backlog>, u64)> {
+        match self {
+            ConsumerStore::Sqlite(s) => s.backlog(limit).await,
+            ConsumerStore::Postgres(p) => p.backlog(limit).await,
+        }
+    }
+
+    /// The storage probe: one real commit (a write to a one-row table), checked by `watch`
+    /// before it commits like every other commit.
+    pub async fn probe(&self, watch: &'static StorageWatch) -> Result<()> {
+        match self {
+            ConsumerStore::Sqlite(s) => s.probe(watch).await,
+            ConsumerStore::Postgres(p) => p.probe(watch).await,
+        }
+    }
+
+    /// Unapplied (pending + blocked) inbox rows, from the counter kept in the same
+    /// transactions as the rows.
+    pub async fn unapplied_count(&self) -> Result<u64> {
+        match self {
+            ConsumerStore::Sqlite(s) => s.unapplied_count().await,
+            ConsumerStore::Postgres(p) => p.unapplied_count().await,
+        }
+    }
+
+    /// A reader of the unapplied counter for the metrics scrape, which runs on a blocking
+    /// thread: on SQLite a read-only connection of its own (never the writer's lock), on
+    /// PostgreSQL a pooled connection.
+    pub fn unapplied_reader(&self) -> UnappliedReader {
+        match self {
+            ConsumerStore::Sqlite(s) => s.unapplied_reader(),
+            ConsumerStore::Postgres(p) => p.unapplied_reader(),
+        }
+    }
+}
+
+/// Reads the unapplied counter from a blocking thread.
+pub type UnappliedReader = Arc<dyn Fn() -> std::result::Result<u64, String> + Send + Sync>;

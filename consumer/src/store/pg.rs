@@ -1,0 +1,1136 @@
+//! All SQL of the consumer on PostgreSQL (schema `ordered_events_consumer`): the same tables,
+//! columns and rules as consumer.db, an explicit `position` identity column where SQLite has
+//! its rowid (inbox: arrival order; effect: apply order), and the backlog counter kept exact
+//! by PL/pgSQL triggers in the same transactions. Every applied step is a compare-and-set on
+//! the flow's projection and effects are unique per (flow_id, seq) and per event_id, so two
+//! appliers (threads or instances) can never apply one step twice. Sessions run in READ
+//! COMMITTED with `synchronous_commit=on` (set by `proto::pg` for every pooled session).
+
+use std::future::Future;
+
+use deadpool_postgres::{Pool, Transaction};
+use proto::body::Event;
+use proto::crash::CrashPoint;
+use proto::db::{OpenMode, StepFailure};
+use proto::pg::{PgError, PgKind};
+use proto::target::PgUrl;
+use tokio_postgres::Row;
+use tokio_postgres::types::ToSql;
+
+use super::{
+    Admission, Backlog, BatchAnswer, EffectRecord, FlowView, Identity, InboxRecord, InboxState, Incoming,
+    Next, RawInbox, ReceiveContext, ReceiveOutcome, Received, Result, StepOutcome, StoreError,
+    UnappliedReader, checked_projection,
+};
+use crate::apply::{ApplyFailure, ApplyOptions, ApplyReport, FlowResult, Stop};
+use crate::rules::{BlockReason, Decision, Projection, decide_next};
+use crate::storage::StorageWatch;
+
+/// The columns `raw_inbox` reads, as a macro so the statements are literals.
+macro_rules! inbox_columns {
+    () => {
+        "i.event_id, i.flow_id, i.seq, i.kind, i.schema, i.body, i.state, i.reason"
+    };
+}
+
+/// The consumer's schema on PostgreSQL.
+pub const KIND: PgKind =
+    PgKind { name: "consumer", schema: "ordered_events_consumer", version: 1, ddl: DDL, upgrades: &[] };
+
+/// Connections in the pool: the Receive writer, the appliers (Apply, auto-apply), readers
+/// (GetFlow, ListStuck, Identify) and the metrics scrape each take one while they work.
+const POOL_SIZE: usize = 8;
+
+/// How often one step is tried again after a deadlock or serialization failure (rolled back
+/// to its savepoint, so repeating it is safe).
+const STEP_RETRIES: usize = 3;
+
+/// How often one apply step is decided again after another applier moved the flow first
+/// (rolled back to its savepoint). Each lost race is another applier's progress on the flow.
+const RACE_RETRIES: usize = 16;
+
+/// The schema (version 1). Trigger functions name their table with the schema, so a session
+/// with another `search_path` (psql) keeps the counter exact too.
+const DDL: &str = "
+CREATE TABLE inbox(
+    position BIGINT GENERATED ALWAYS AS IDENTITY UNIQUE,
+    event_id TEXT PRIMARY KEY,
+    flow_id TEXT NOT NULL,
+    seq BIGINT NOT NULL CHECK(seq >= 1),
+    kind TEXT NOT NULL,
+    schema INTEGER NOT NULL,
+    -- The canonical body, stored verbatim and never edited.
+    body TEXT NOT NULL,
+    state TEXT NOT NULL DEFAULT 'pending' CHECK(state = 'pending' OR state = 'blocked' OR state = 'applied'),
+    reason TEXT CHECK(reason = 'unsupported_schema' OR reason = 'invalid_payload' OR reason = 'invalid_transition'),
+    received_at_us BIGINT NOT NULL,
+    applied_at_us BIGINT,
+    UNIQUE(flow_id, seq),
+    -- A reason exists exactly while the row is blocked.
+    CHECK((state = 'blocked') = (reason IS NOT NULL))
+);
+-- Only unapplied rows are indexed: the backlog is counted and found without scanning history.
+CREATE INDEX inbox_unapplied ON inbox(flow_id, seq, state) WHERE state <> 'applied';
+CREATE TABLE projection(
+    flow_id TEXT PRIMARY KEY,
+    last_seq BIGINT NOT NULL CHECK(last_seq >= 1),
+    state TEXT NOT NULL CHECK(state = 'reserved' OR state = 'confirmed' OR state = 'released'),
+    held BIGINT NOT NULL,
+    amount BIGINT NOT NULL CHECK(amount >= 1)
+);
+-- position order is apply order.
+CREATE TABLE effect(
+    position BIGINT GENERATED ALWAYS AS IDENTITY UNIQUE,
+    event_id TEXT NOT NULL UNIQUE REFERENCES inbox(event_id),
+    flow_id TEXT NOT NULL,
+    seq BIGINT NOT NULL CHECK(seq >= 1),
+    kind TEXT NOT NULL,
+    held BIGINT NOT NULL,
+    applied_at_us BIGINT NOT NULL,
+    UNIQUE(flow_id, seq)
+);
+-- The number of unapplied (pending + blocked) inbox rows, kept exact by triggers inside the
+-- same transactions that change it, so the backlog cap is checked in O(1).
+CREATE TABLE backlog(
+    id INTEGER PRIMARY KEY CHECK(id = 1),
+    unapplied BIGINT NOT NULL CHECK(unapplied >= 0)
+);
+INSERT INTO backlog(id, unapplied) VALUES (1, 0);
+-- Written by the storage probe while commits fail; nothing reads it.
+CREATE TABLE probe(
+    id INTEGER PRIMARY KEY CHECK(id = 1),
+    probed_at_us BIGINT
+);
+INSERT INTO probe(id, probed_at_us) VALUES (1, NULL);
+CREATE FUNCTION backlog_insert() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    UPDATE ordered_events_consumer.backlog SET unapplied = unapplied + 1 WHERE id = 1;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER backlog_insert AFTER INSERT ON inbox
+FOR EACH ROW WHEN (NEW.state <> 'applied') EXECUTE FUNCTION backlog_insert();
+CREATE FUNCTION backlog_applied() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    UPDATE ordered_events_consumer.backlog SET unapplied = unapplied - 1 WHERE id = 1;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER backlog_applied AFTER UPDATE OF state ON inbox
+FOR EACH ROW WHEN (OLD.state <> 'applied' AND NEW.state = 'applied') EXECUTE FUNCTION backlog_applied();
+";
+
+impl From<tokio_postgres::Error> for StoreError {
+    /// A deadlock, serialization failure or lock timeout is contention (retryable); a lost
+    /// server or connection is unavailable storage (retryable, and health goes NOT_SERVING);
+    /// a constraint or a trigger's exception refused one row; anything else failed.
+    fn from(e: tokio_postgres::Error) -> StoreError {
+        classify(&e)
+    }
+}
+
+/// The store error for a client error (see the `From` impl).
+fn classify(e: &tokio_postgres::Error) -> StoreError {
+    let text = proto::pg::describe(e);
+    let code = e.code().map(|c| c.code().to_owned()).unwrap_or_default();
+    if proto::pg::is_serialization_failure(e) || code == "55P03" {
+        StoreError::Busy(text)
+    } else if proto::pg::is_retryable(e) {
+        StoreError::Unavailable(text)
+    } else if code.starts_with("23") || code == "P0001" {
+        StoreError::Refused(text)
+    } else {
+        StoreError::Failed(text)
+    }
+}
+
+impl From<deadpool_postgres::PoolError> for StoreError {
+    /// No connection could be had: the server is unreachable or refuses connections.
+    fn from(e: deadpool_postgres::PoolError) -> StoreError {
+        match e {
+            deadpool_postgres::PoolError::Backend(e) => {
+                let e = StoreError::from(e);
+                match e {
+                    StoreError::Failed(text) | StoreError::Refused(text) => StoreError::Unavailable(text),
+                    other => other,
+                }
+            }
+            other => StoreError::Unavailable(format!("no database connection: {other}")),
+        }
+    }
+}
+
+/// The consumer's schema on a PostgreSQL server: a pool of sessions.
+#[derive(Clone)]
+pub struct PgStore {
+    pool: Pool,
+}
+
+/// A seq, position or count as PostgreSQL's BIGINT. Seqs are at most 2^53 (transport
+/// limits) and positions and counts come from BIGINT columns, so no value here overflows.
+fn big(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+/// A schema as the INTEGER column stores it: the transport limits keep it within 1..=65535.
+fn schema_column(schema: u32) -> i32 {
+    i32::try_from(schema).unwrap_or(i32::MAX)
+}
+
+/// A BIGINT read back as the unsigned value it stores (never negative: CHECKs and identity).
+fn unsigned(v: i64) -> u64 {
+    u64::try_from(v).unwrap_or(0)
+}
+
+impl PgStore {
+    /// Opens (creating or upgrading if needed) the consumer schema on `url` and logs the
+    /// `consumer database open` line with the durability settings.
+    pub async fn open(url: &PgUrl) -> std::result::Result<PgStore, PgError> {
+        let opened = proto::pg::open(url, &KIND, OpenMode::Create, POOL_SIZE).await?;
+        Ok(PgStore { pool: opened.pool })
+    }
+
+    pub(crate) async fn identity(&self) -> Result<Identity> {
+        let client = self.pool.get().await?;
+        // One statement: one snapshot.
+        let row = client
+            .query_one(
+                "SELECT (SELECT database_id FROM meta WHERE id = 1),
+                        (SELECT coalesce(max(position), 0) FROM inbox)",
+                &[],
+            )
+            .await?;
+        let database_id: Option<String> = row.get(0);
+        let database_id =
+            database_id.ok_or_else(|| StoreError::Inconsistent("the meta row is missing".into()))?;
+        Ok(Identity { database_id, highest_position: unsigned(row.get(1)) })
+    }
+
+    pub(crate) async fn receive_batch(&self, jobs: &[Incoming], ctx: ReceiveContext) -> Vec<BatchAnswer> {
+        let report = |e: &StoreError| {
+            if let Some(watch) = ctx.storage {
+                watch.commit_failed(e);
+            }
+        };
+        let fail_all = |e: StoreError| -> Vec<BatchAnswer> {
+            report(&e);
+            jobs.iter()
+                .map(|job| {
+                    job.stream.fail();
+                    Some(Err(e.clone()))
+                })
+                .collect()
+        };
+        let mut client = match self.pool.get().await {
+            Ok(client) => client,
+            Err(e) => return fail_all(e.into()),
+        };
+        let tx = match client.transaction().await {
+            Ok(tx) => tx,
+            Err(e) => return fail_all(e.into()),
+        };
+        let mut results: Vec<BatchAnswer> = Vec::with_capacity(jobs.len());
+        let mut inserted = false;
+        let pipelined = match pipeline_fits(&tx, jobs.len(), ctx.admission).await {
+            Ok(fits) => fits,
+            Err(e) => return fail_all(e),
+        };
+        let mut next = 0;
+        let mut busy_retries = 0;
+        while next < jobs.len() {
+            if pipelined {
+                // Every envelope left, in one round trip; the first that fails rolls back
+                // alone and the ones after it go in the next round.
+                let round: Vec<usize> = (next..jobs.len()).filter(|&i| !jobs[i].stream.failed()).collect();
+                let events: Vec<&Event> = round.iter().map(|&i| &jobs[i].event).collect();
+                let (decided, failure) = pipeline(&tx, &events, runtime::now_us()).await;
+                let mut decided = decided.into_iter();
+                let mut at = next;
+                for &i in &round {
+                    while at < i {
+                        results.push(None);
+                        at += 1;
+                    }
+                    match decided.next() {
+                        Some(answer) => {
+                            if matches!(&answer, Ok(r) if r.outcome == ReceiveOutcome::Accepted) {
+                                inserted = true;
+                                ctx.crash.reach(CrashPoint::ConsumerReceiveAfterInsert);
+                            }
+                            if let Err(e) = &answer {
+                                report(e);
+                                jobs[i].stream.fail();
+                            }
+                            results.push(Some(answer));
+                            at += 1;
+                        }
+                        None => break,
+                    }
+                }
+                match failure {
+                    None => {
+                        while at < jobs.len() {
+                            results.push(None);
+                            at += 1;
+                        }
+                        next = jobs.len();
+                    }
+                    Some(StepFailure::RolledBack(StoreError::Busy(_))) if busy_retries < STEP_RETRIES => {
+                        // A deadlock or serialization failure, rolled back to the envelope's
+                        // savepoint: deciding it again is safe.
+                        busy_retries += 1;
+                        next = at;
+                    }
+                    Some(StepFailure::RolledBack(e)) => {
+                        // `at` is the failed envelope: the first of the round not decided.
+                        report(&e);
+                        jobs[at].stream.fail();
+                        results.push(Some(Err(e)));
+                        next = at + 1;
+                    }
+                    Some(StepFailure::TransactionLost(e)) => {
+                        drop(tx);
+                        return fail_all(e);
+                    }
+                }
+                continue;
+            }
+            let job = &jobs[next];
+            next += 1;
+            if job.stream.failed() {
+                results.push(None);
+                continue;
+            }
+            let mut attempt = 0;
+            let decided = loop {
+                let now = runtime::now_us();
+                let decided = in_savepoint(&tx, || insert_pending(&tx, &job.event, now, ctx.admission)).await;
+                match decided {
+                    Err(StepFailure::RolledBack(StoreError::Busy(_))) if attempt < STEP_RETRIES => {
+                        attempt += 1
+                    }
+                    other => break other,
+                }
+            };
+            match decided {
+                Ok(received) => {
+                    if received.outcome == ReceiveOutcome::Accepted {
+                        inserted = true;
+                        ctx.crash.reach(CrashPoint::ConsumerReceiveAfterInsert);
+                    }
+                    results.push(Some(Ok(received)));
+                }
+                Err(StepFailure::RolledBack(e)) => {
+                    report(&e);
+                    job.stream.fail();
+                    results.push(Some(Err(e)));
+                }
+                Err(StepFailure::TransactionLost(e)) => {
+                    drop(tx);
+                    return fail_all(e);
+                }
+            }
+        }
+        if !inserted {
+            // Nothing was written: the transaction rolls back (on drop).
+            drop(tx);
+            return results;
+        }
+        if let Some(refused) = ctx.storage.map_or(Ok(()), |watch| watch.before_commit()).err() {
+            drop(tx);
+            return fail_all(refused);
+        }
+        if let Err(e) = tx.commit().await {
+            return fail_all(e.into());
+        }
+        if let Some(watch) = ctx.storage {
+            watch.commit_succeeded();
+        }
+        ctx.crash.reach(CrashPoint::ConsumerReceiveAfterCommit);
+        results
+    }
+
+    pub(crate) async fn apply_flows(
+        &self,
+        flows: Vec<String>,
+        max_steps: u32,
+        opts: ApplyOptions,
+    ) -> Vec<FlowResult> {
+        let mut runs: Vec<FlowRun> = flows
+            .into_iter()
+            .map(|flow_id| FlowRun {
+                flow_id,
+                committed: Vec::new(),
+                pending: Vec::new(),
+                wrote: false,
+                end: None,
+            })
+            .collect();
+        let max_batch = opts.max_batch.max(1);
+        let mut next = 0;
+        while next < runs.len() {
+            let started = std::time::Instant::now();
+            let mut client = match self.pool.get().await {
+                Ok(client) => client,
+                Err(e) => {
+                    fail_rest(&mut runs[next..], e.into(), &opts);
+                    break;
+                }
+            };
+            let tx = match client.transaction().await {
+                Ok(tx) => tx,
+                Err(e) => {
+                    fail_rest(&mut runs[next..], e.into(), &opts);
+                    break;
+                }
+            };
+            let mut steps = 0;
+            let mut lost = None;
+            while next < runs.len() && steps < max_batch {
+                let run = &mut runs[next];
+                let budget_left = run.committed.len() + run.pending.len() < max_steps as usize;
+                match step_in_tx(&tx, &run.flow_id, budget_left, &opts).await {
+                    Ok(Progress::Applied { event_id }) => {
+                        run.pending.push(event_id);
+                        run.wrote = true;
+                        steps += 1;
+                    }
+                    Ok(Progress::Stopped { stop, projection, wrote }) => {
+                        run.wrote |= wrote;
+                        steps += usize::from(wrote);
+                        run.end = Some(Ok((stop, projection)));
+                        next += 1;
+                    }
+                    Err(StepFailure::RolledBack(e)) => {
+                        run.end = Some(Err(e));
+                        next += 1;
+                    }
+                    Err(StepFailure::TransactionLost(e)) => {
+                        lost = Some(e.clone());
+                        run.end = Some(Err(e));
+                        run.pending.clear();
+                        run.wrote = false;
+                        next += 1;
+                        break;
+                    }
+                }
+            }
+            let applied_any = runs.iter().any(|r| !r.pending.is_empty());
+            let wrote_any = runs.iter().any(|r| r.wrote);
+            let finished = if let Some(e) = lost {
+                drop(tx);
+                Err(e)
+            } else if wrote_any {
+                match opts.storage.map_or(Ok(()), |watch| watch.before_commit()) {
+                    Ok(()) => tx.commit().await.map_err(StoreError::from),
+                    Err(refused) => {
+                        drop(tx);
+                        Err(refused)
+                    }
+                }
+            } else {
+                // Nothing written: the transaction rolls back (on drop).
+                drop(tx);
+                Ok(())
+            };
+            drop(client);
+            if let Some(watch) = opts.storage {
+                match &finished {
+                    Ok(()) if wrote_any => watch.commit_succeeded(),
+                    Ok(()) => {}
+                    Err(e) => watch.commit_failed(e),
+                }
+            }
+            match finished {
+                Ok(()) => {
+                    if applied_any {
+                        crate::apply::APPLY_BATCHES
+                            .record_timed(runs.iter().map(|r| r.pending.len()).sum(), started);
+                    }
+                    for run in &mut runs {
+                        let pending = std::mem::take(&mut run.pending);
+                        run.committed.extend(pending);
+                        run.wrote = false;
+                    }
+                    if applied_any {
+                        opts.crash.reach(CrashPoint::ConsumerApplyAfterCommit);
+                    }
+                }
+                Err(e) => {
+                    for run in runs.iter_mut().filter(|r| r.wrote) {
+                        run.pending.clear();
+                        run.wrote = false;
+                        run.end = Some(Err(e.clone()));
+                    }
+                }
+            }
+        }
+        runs.into_iter()
+            .map(|run| {
+                let outcome = match run.end {
+                    Some(Ok((stop, projection))) => Ok(ApplyReport {
+                        flow_id: run.flow_id.clone(),
+                        applied: run.committed,
+                        stop,
+                        projection,
+                    }),
+                    Some(Err(source)) => Err(ApplyFailure { applied: run.committed, source }),
+                    None => Err(ApplyFailure {
+                        applied: run.committed,
+                        source: StoreError::Inconsistent("apply stopped before this flow was reached".into()),
+                    }),
+                };
+                crate::apply::finish(run.flow_id, outcome, &opts)
+            })
+            .collect()
+    }
+
+    pub(crate) async fn flows_with_unapplied(&self, after: &str, limit: usize) -> Result<Vec<String>> {
+        let client = self.pool.get().await?;
+        let stmt = client
+            .prepare_cached(
+                "SELECT DISTINCT flow_id FROM inbox WHERE state <> 'applied' AND flow_id > $1
+                 ORDER BY flow_id LIMIT $2",
+            )
+            .await?;
+        let rows = client.query(&stmt, &[&after, &big(limit as u64)]).await?;
+        Ok(rows.iter().map(|r| r.get(0)).collect())
+    }
+
+    pub(crate) async fn flow(&self, flow_id: &str) -> Result<FlowView> {
+        let mut client = self.pool.get().await?;
+        // One REPEATABLE READ transaction: projection, inbox and effects are one snapshot.
+        let tx = client
+            .build_transaction()
+            .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+            .read_only(true)
+            .start()
+            .await?;
+        let projection = projection(&tx, flow_id).await?;
+        let stmt = tx
+            .prepare_cached(concat!(
+                "SELECT ",
+                inbox_columns!(),
+                " FROM inbox i WHERE flow_id = $1 ORDER BY seq"
+            ))
+            .await?;
+        let inbox = tx
+            .query(&stmt, &[&flow_id])
+            .await?
+            .iter()
+            .map(|r| raw_inbox(r, 0).check())
+            .collect::<Result<_>>()?;
+        let stmt = tx
+            .prepare_cached(
+                "SELECT event_id, flow_id, seq, kind, held FROM effect WHERE flow_id = $1 ORDER BY seq",
+            )
+            .await?;
+        let effects = tx
+            .query(&stmt, &[&flow_id])
+            .await?
+            .iter()
+            .map(|r| EffectRecord {
+                event_id: r.get(0),
+                flow_id: r.get(1),
+                seq: unsigned(r.get(2)),
+                kind: r.get(3),
+                held: r.get(4),
+            })
+            .collect();
+        tx.commit().await?;
+        Ok(FlowView { projection, inbox, effects })
+    }
+
+    pub(crate) async fn backlog(&self, limit: usize) -> Result<(Vec<Backlog>, u64)> {
+        let mut client = self.pool.get().await?;
+        let tx = client
+            .build_transaction()
+            .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+            .read_only(true)
+            .start()
+            .await?;
+        let total: i64 =
+            tx.query_one("SELECT count(*) FROM inbox WHERE state <> 'applied'", &[]).await?.get(0);
+        // Per flow: how many unapplied rows, the lowest one, and the projection.
+        let stmt = tx
+            .prepare_cached(concat!(
+                "SELECT g.waiting, p.last_seq, p.state, p.held, p.amount, ",
+                inbox_columns!(),
+                " FROM (SELECT flow_id, count(*) AS waiting, min(seq) AS lowest FROM inbox
+                        WHERE state <> 'applied' GROUP BY flow_id ORDER BY flow_id LIMIT $1) g
+                  JOIN inbox i ON i.flow_id = g.flow_id AND i.seq = g.lowest
+                  LEFT JOIN projection p ON p.flow_id = g.flow_id
+                  ORDER BY g.flow_id"
+            ))
+            .await?;
+        let rows = tx.query(&stmt, &[&big(limit as u64)]).await?;
+        tx.commit().await?;
+        let mut flows = Vec::with_capacity(rows.len());
+        for r in rows {
+            let lowest = raw_inbox(&r, 5).check()?;
+            let projection = checked_projection(&lowest.flow_id, projection_columns(&r, 1))?;
+            flows.push(Backlog {
+                flow_id: lowest.flow_id.clone(),
+                projection,
+                waiting_rows: unsigned(r.get(0)),
+                lowest,
+            });
+        }
+        Ok((flows, unsigned(total)))
+    }
+
+    pub(crate) async fn probe(&self, watch: &'static StorageWatch) -> Result<()> {
+        let mut client = self.pool.get().await?;
+        let tx = client.transaction().await?;
+        tx.execute("UPDATE probe SET probed_at_us = $1 WHERE id = 1", &[&runtime::now_us()]).await?;
+        watch.before_commit()?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    pub(crate) async fn unapplied_count(&self) -> Result<u64> {
+        let client = self.pool.get().await?;
+        let row = client.query_one("SELECT unapplied FROM backlog WHERE id = 1", &[]).await?;
+        Ok(unsigned(row.get(0)))
+    }
+
+    pub(crate) fn unapplied_reader(&self) -> UnappliedReader {
+        let store = self.clone();
+        let handle = tokio::runtime::Handle::current();
+        // The scrape runs on a blocking thread, outside the runtime's workers: blocking on
+        // the runtime's handle there is allowed.
+        std::sync::Arc::new(move || handle.block_on(store.unapplied_count()).map_err(|e| e.to_string()))
+    }
+
+    /// Runs SQL on a pooled session (tests add triggers and edit rows by hand).
+    #[cfg(test)]
+    pub(crate) async fn execute_batch(&self, sql: &str) {
+        self.pool.get().await.unwrap().batch_execute(sql).await.unwrap();
+    }
+}
+
+/// Fails every flow not yet done with `e` (no transaction could be had).
+fn fail_rest(runs: &mut [FlowRun], e: StoreError, opts: &ApplyOptions) {
+    if let Some(watch) = opts.storage {
+        watch.commit_failed(&e);
+    }
+    for run in runs {
+        run.end = Some(Err(e.clone()));
+    }
+}
+
+/// One flow's progress while a group runs.
+struct FlowRun {
+    flow_id: String,
+    /// Applied and committed.
+    committed: Vec<String>,
+    /// Applied inside the open transaction.
+    pending: Vec<String>,
+    /// Wrote anything (a step or a blocked mark) inside the open transaction.
+    wrote: bool,
+    end: Option<std::result::Result<(Stop, Projection), StoreError>>,
+}
+
+/// What one step inside the open transaction did.
+enum Progress {
+    Applied { event_id: String },
+    Stopped { stop: Stop, projection: Projection, wrote: bool },
+}
+
+/// Runs `step` inside `SAVEPOINT step`: released on success; on failure only the step's
+/// writes are undone (`ROLLBACK TO`), so the transaction and the steps before it may still
+/// commit. A lost connection, or a savepoint that cannot be undone, loses the transaction.
+async fn in_savepoint<T, F, Fut>(
+    tx: &Transaction<'_>,
+    step: F,
+) -> std::result::Result<T, StepFailure<StoreError>>
+where
+    F: FnOnce() -> Fut,
+    Fut: Future<Output = Result<T>>,
+{
+    if let Err(e) = tx.batch_execute("SAVEPOINT step").await {
+        return Err(StepFailure::TransactionLost(e.into()));
+    }
+    match step().await {
+        Ok(value) => match tx.batch_execute("RELEASE SAVEPOINT step").await {
+            Ok(()) => Ok(value),
+            Err(e) => Err(StepFailure::TransactionLost(e.into())),
+        },
+        Err(e @ StoreError::Unavailable(_)) => Err(StepFailure::TransactionLost(e)),
+        Err(e) => match tx.batch_execute("ROLLBACK TO SAVEPOINT step; RELEASE SAVEPOINT step").await {
+            Ok(()) => Err(StepFailure::RolledBack(e)),
+            Err(_) => Err(StepFailure::TransactionLost(e)),
+        },
+    }
+}
+
+/// Reads the flow's projection and the row at its exact next seq in one statement (one
+/// snapshot), decides, and writes the decision, all in one savepoint. A step that lost a
+/// race to another applier (its compare-and-set wrote nothing) reads and decides again.
+async fn step_in_tx(
+    tx: &Transaction<'_>,
+    flow_id: &str,
+    budget_left: bool,
+    opts: &ApplyOptions,
+) -> std::result::Result<Progress, StepFailure<StoreError>> {
+    let mut attempt = 0;
+    loop {
+        let step = in_savepoint(tx, || decide_and_write(tx, flow_id, budget_left, opts)).await;
+        match step {
+            Ok(Some(progress)) => return Ok(progress),
+            Ok(None) | Err(StepFailure::RolledBack(StoreError::Busy(_))) if attempt < RACE_RETRIES => {
+                attempt += 1
+            }
+            Ok(None) => {
+                return Err(StepFailure::RolledBack(StoreError::Busy(format!(
+                    "flow {flow_id}: other appliers moved its projection {} times in a row",
+                    RACE_RETRIES + 1
+                ))));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// One step inside the savepoint; `None` when the compare-and-set lost (decide again).
+async fn decide_and_write(
+    tx: &Transaction<'_>,
+    flow_id: &str,
+    budget_left: bool,
+    opts: &ApplyOptions,
+) -> Result<Option<Progress>> {
+    let (from, next) = next_to_apply(tx, flow_id).await?;
+    let row = match next {
+        None => return Ok(None),
+        Some(Next::Idle) => {
+            return Ok(Some(Progress::Stopped { stop: Stop::Idle, projection: from, wrote: false }));
+        }
+        Some(Next::Gap) => {
+            let stop = Stop::Gap { waiting_for_seq: from.next_seq() };
+            return Ok(Some(Progress::Stopped { stop, projection: from, wrote: false }));
+        }
+        Some(Next::Row(row)) => row,
+    };
+    if !budget_left {
+        return Ok(Some(Progress::Stopped { stop: Stop::Limit, projection: from, wrote: false }));
+    }
+    let event = Event::from_canonical_body(&row.body)
+        .map_err(|e| StoreError::Inconsistent(format!("inbox {}: {e}", row.event_id)))?;
+    match decide_next(&from, &event, opts.support_v2) {
+        Decision::Block { reason, detail } => {
+            let mut wrote = false;
+            if row.state != InboxState::Blocked || row.reason != Some(reason) {
+                wrote = mark_blocked(tx, &row.event_id, reason).await?;
+                if wrote {
+                    tracing::warn!(
+                        flow_id,
+                        event_id = %row.event_id,
+                        seq = row.seq,
+                        reason = reason.as_str(),
+                        %detail,
+                        "event blocked: kept stored, re-evaluated on every Apply"
+                    );
+                }
+            }
+            let stop = Stop::Blocked { event_id: row.event_id, reason, detail };
+            Ok(Some(Progress::Stopped { stop, projection: from, wrote }))
+        }
+        Decision::Apply { kind, after } => {
+            match apply_step(tx, &row, &from, kind, &after, opts, runtime::now_us()).await? {
+                StepOutcome::Applied => {
+                    tracing::debug!(flow_id, event_id = %row.event_id, seq = row.seq, "applied");
+                    Ok(Some(Progress::Applied { event_id: row.event_id }))
+                }
+                StepOutcome::Raced => Ok(None),
+            }
+        }
+    }
+}
+
+fn raw_inbox(r: &Row, at: usize) -> RawInbox {
+    RawInbox {
+        event_id: r.get(at),
+        flow_id: r.get(at + 1),
+        seq: unsigned(r.get(at + 2)),
+        kind: r.get(at + 3),
+        schema: u32::try_from(r.get::<_, i32>(at + 4)).unwrap_or(0),
+        body: r.get(at + 5),
+        state: r.get(at + 6),
+        reason: r.get(at + 7),
+    }
+}
+
+fn projection_columns(r: &Row, at: usize) -> Option<(u64, String, i64, i64)> {
+    let last_seq: Option<i64> = r.get(at);
+    last_seq.map(|last_seq| (unsigned(last_seq), r.get(at + 1), r.get(at + 2), r.get(at + 3)))
+}
+
+/// The flow's projection; a flow nothing was applied to is [`Projection::NEW`].
+async fn projection(tx: &Transaction<'_>, flow_id: &str) -> Result<Projection> {
+    let stmt =
+        tx.prepare_cached("SELECT last_seq, state, held, amount FROM projection WHERE flow_id = $1").await?;
+    let row = tx.query_opt(&stmt, &[&flow_id]).await?;
+    checked_projection(flow_id, row.as_ref().and_then(|r| projection_columns(r, 0)))
+}
+
+/// The flow's projection and what is stored at exactly its next seq ("greater than
+/// last_seq" would skip a gap), read in one statement. `None` for the row means the row at
+/// the next seq is already applied: another applier moved the flow after this statement's
+/// snapshot of the projection (decide again).
+async fn next_to_apply(tx: &Transaction<'_>, flow_id: &str) -> Result<(Projection, Option<Next>)> {
+    let stmt = tx
+        .prepare_cached(concat!(
+            "SELECT p.last_seq, p.state, p.held, p.amount, ",
+            inbox_columns!(),
+            ", EXISTS(SELECT 1 FROM inbox l WHERE l.flow_id = f.flow_id
+                      AND l.seq > coalesce(p.last_seq, 0) + 1 AND l.state <> 'applied')
+             FROM (SELECT $1::text AS flow_id) f
+             LEFT JOIN projection p ON p.flow_id = f.flow_id
+             LEFT JOIN inbox i ON i.flow_id = f.flow_id AND i.seq = coalesce(p.last_seq, 0) + 1"
+        ))
+        .await?;
+    let r = tx.query_one(&stmt, &[&flow_id]).await?;
+    let from = checked_projection(flow_id, projection_columns(&r, 0))?;
+    let event_id: Option<String> = r.get(4);
+    if event_id.is_none() {
+        let later: bool = r.get(12);
+        return Ok((from, Some(if later { Next::Gap } else { Next::Idle })));
+    }
+    let row = raw_inbox(&r, 4).check()?;
+    if row.state == InboxState::Applied {
+        return Ok((from, None));
+    }
+    Ok((from, Some(Next::Row(row))))
+}
+
+/// Marks an unapplied row `blocked` with `reason` (a re-evaluation may change the reason).
+/// Returns false when nothing changed. The body is never touched.
+async fn mark_blocked(tx: &Transaction<'_>, event_id: &str, reason: BlockReason) -> Result<bool> {
+    let stmt = tx
+        .prepare_cached(
+            "UPDATE inbox SET state = 'blocked', reason = $2
+             WHERE event_id = $1 AND state <> 'applied' AND (state <> 'blocked' OR reason IS DISTINCT FROM $2)",
+        )
+        .await?;
+    Ok(tx.execute(&stmt, &[&event_id, &reason.as_str()]).await? == 1)
+}
+
+/// The applied step of SPEC §7: only if the stored projection is still `from` (checked by
+/// the guarded write itself: a compare-and-set, which waits for a concurrent applier's row
+/// lock and then re-checks) updates it to `after`, inserts the effect (unique per (flow_id,
+/// seq) and per event_id) and marks `row` applied. Any failure (a constraint, a trigger) is
+/// returned before the savepoint is released, so its rollback undoes all three. Crash
+/// points `consumer.apply.after_projection` and `.after_effect` sit inside.
+async fn apply_step(
+    tx: &Transaction<'_>,
+    row: &InboxRecord,
+    from: &Projection,
+    kind: proto::flow::Kind,
+    after: &Projection,
+    opts: &ApplyOptions,
+    now_us: i64,
+) -> Result<StepOutcome> {
+    if after.last_seq != row.seq {
+        return Ok(StepOutcome::Raced);
+    }
+    // The three writes go in one round trip (see `in_order`). If the compare-and-set wrote
+    // nothing, the effect insert and the mark that followed it are undone with the savepoint
+    // (the step is reported as a race, an error, so the caller rolls the savepoint back).
+    let write_projection = if *from == Projection::NEW {
+        tx.prepare_cached(
+            "INSERT INTO projection(flow_id, last_seq, state, held, amount) VALUES ($1, $2, $3, $4, $5)
+             ON CONFLICT(flow_id) DO NOTHING",
+        )
+        .await?
+    } else {
+        tx.prepare_cached(
+            "UPDATE projection SET last_seq = $2, state = $3, held = $4, amount = $5
+             WHERE flow_id = $1 AND last_seq = $6 AND state = $7 AND held = $8 AND amount = $9",
+        )
+        .await?
+    };
+    let insert_effect = tx
+        .prepare_cached(
+            "INSERT INTO effect(event_id, flow_id, seq, kind, held, applied_at_us) VALUES ($1, $2, $3, $4, $5, $6)",
+        )
+        .await?;
+    let mark_applied = tx
+        .prepare_cached(
+            "UPDATE inbox SET state = 'applied', reason = NULL, applied_at_us = $2
+             WHERE event_id = $1 AND state <> 'applied'",
+        )
+        .await?;
+    let (after_seq, from_seq, seq) = (big(after.last_seq), big(from.last_seq), big(row.seq));
+    let (after_state, from_state, kind) = (after.state.as_str(), from.state.as_str(), kind.as_str());
+    let projection_params: Vec<&(dyn ToSql + Sync)> = if *from == Projection::NEW {
+        vec![&row.flow_id, &after_seq, &after_state, &after.held, &after.amount]
+    } else {
+        vec![
+            &row.flow_id,
+            &after_seq,
+            &after_state,
+            &after.held,
+            &after.amount,
+            &from_seq,
+            &from_state,
+            &from.held,
+            &from.amount,
+        ]
+    };
+    let effect_params: [&(dyn ToSql + Sync); 6] =
+        [&row.event_id, &row.flow_id, &seq, &kind, &after.held, &now_us];
+    let mark_params: [&(dyn ToSql + Sync); 2] = [&row.event_id, &now_us];
+    let writes: Vec<PipedFuture<'_, u64>> = vec![
+        Box::pin(tx.execute(&write_projection, &projection_params)),
+        Box::pin(tx.execute(&insert_effect, &effect_params)),
+        Box::pin(tx.execute(&mark_applied, &mark_params)),
+    ];
+    let mut answers = in_order(writes).await.into_iter();
+    let mut next = || answers.next().unwrap_or(Ok(0));
+    let (moved, inserted, marked) = (next(), next(), next());
+    if moved? != 1 {
+        return Err(StoreError::Busy(format!(
+            "flow {}: another applier moved the projection from seq {}",
+            row.flow_id, from.last_seq
+        )));
+    }
+    opts.crash.reach(CrashPoint::ConsumerApplyAfterProjection);
+    inserted?;
+    if marked? != 1 {
+        return Err(StoreError::Inconsistent(format!(
+            "inbox {} vanished or was applied while the projection was at seq {}",
+            row.event_id, from.last_seq
+        )));
+    }
+    opts.crash.reach(CrashPoint::ConsumerApplyAfterEffect);
+    Ok(StepOutcome::Applied)
+}
+
+/// Whether a whole batch of `n` envelopes may be pipelined: no cap, or a cap the batch
+/// cannot reach even if every envelope is accepted (the counter row is locked here until the
+/// commit, so no other writer moves it meanwhile). Otherwise each envelope is decided with
+/// its own round trips, the cap checked before each.
+async fn pipeline_fits(tx: &Transaction<'_>, n: usize, admission: Admission) -> Result<bool> {
+    let Admission::Cap(cap) = admission else { return Ok(true) };
+    let stmt = tx.prepare_cached("SELECT unapplied FROM backlog WHERE id = 1 FOR UPDATE").await?;
+    let unapplied = unsigned(tx.query_one(&stmt, &[]).await?.get(0));
+    Ok(unapplied.saturating_add(n as u64) < cap)
+}
+
+const INSERT_PENDING_SQL: &str =
+    "INSERT INTO inbox(event_id, flow_id, seq, kind, schema, body, state, received_at_us)
+     VALUES ($1, $2, $3, $4, $5, $6, 'pending', $7) ON CONFLICT DO NOTHING RETURNING position";
+
+/// What is stored under an event id and at a (flow_id, seq), read right after the insert
+/// (so it sees exactly what an envelope decided alone at that point would see).
+const STORED_SQL: &str = "SELECT (SELECT body FROM inbox WHERE event_id = $1),
+            (SELECT position FROM inbox WHERE event_id = $1),
+            (SELECT event_id FROM inbox WHERE flow_id = $2 AND seq = $3)";
+
+/// A statement sent on a pipeline, boxed so statements of different shapes share a queue.
+type PipedFuture<'a, T = Piped> =
+    std::pin::Pin<Box<dyn Future<Output = std::result::Result<T, tokio_postgres::Error>> + Send + 'a>>;
+
+/// Sends `statements` in this order and then waits for every answer. A tokio-postgres
+/// statement writes its request to the connection when its future is first polled, so each
+/// is polled once, in order, before any answer is awaited: the server then receives and runs
+/// them in exactly this order, in one round trip.
+async fn in_order<T>(
+    statements: Vec<PipedFuture<'_, T>>,
+) -> Vec<std::result::Result<T, tokio_postgres::Error>> {
+    use futures::future::{MaybeDone, maybe_done};
+    let mut statements: Vec<MaybeDone<PipedFuture<'_, T>>> = statements.into_iter().map(maybe_done).collect();
+    {
+        let waker = futures::task::noop_waker();
+        let mut first = std::task::Context::from_waker(&waker);
+        for statement in &mut statements {
+            // `MaybeDone` keeps an answer that is ready at once; the real waker is
+            // registered by the join below.
+            let _ = std::pin::Pin::new(statement).poll(&mut first);
+        }
+    }
+    futures::future::join_all(statements.iter_mut()).await;
+    statements
+        .iter_mut()
+        .map(|statement| {
+            // join_all returned, so every statement is done and its output is taken once.
+            std::pin::Pin::new(statement).take_output().expect("a joined statement has its answer")
+        })
+        .collect()
+}
+
+/// One statement's answer in a pipeline.
+enum Piped {
+    Done,
+    Row(Option<Row>),
+}
+
+/// SPEC §6 for `events` in order, pipelined: for each, `SAVEPOINT`, the insert, the read of
+/// what is stored, `RELEASE`, all sent before the first answer is read (tokio-postgres sends
+/// a statement when its future is first polled, and [`in_order`] polls them in order), so the
+/// server runs them exactly in sequence and the batch costs one round trip. Returns the
+/// answers of the envelopes decided before the first failure, and that failure: the failed
+/// envelope's savepoint is rolled back (`RolledBack`; the statements after it were skipped
+/// by the server), or the transaction is lost.
+async fn pipeline(
+    tx: &Transaction<'_>,
+    events: &[&Event],
+    now_us: i64,
+) -> (Vec<Result<Received>>, Option<StepFailure<StoreError>>) {
+    let prepared = async {
+        Ok::<_, tokio_postgres::Error>((
+            tx.prepare_cached(INSERT_PENDING_SQL).await?,
+            tx.prepare_cached(STORED_SQL).await?,
+        ))
+    };
+    let (insert, stored) = match prepared.await {
+        Ok(statements) => statements,
+        Err(e) => return (Vec::new(), Some(StepFailure::TransactionLost(e.into()))),
+    };
+    let bodies: Vec<String> = events.iter().map(|e| e.canonical_body()).collect();
+    let seqs: Vec<i64> = events.iter().map(|e| big(e.seq)).collect();
+    let schemas: Vec<i32> = events.iter().map(|e| schema_column(e.schema)).collect();
+    let mut statements: Vec<PipedFuture<'_>> = Vec::with_capacity(events.len() * 4);
+    for (k, e) in events.iter().enumerate() {
+        statements.push(Box::pin(async { tx.batch_execute("SAVEPOINT step").await.map(|()| Piped::Done) }));
+        let insert = &insert;
+        let (body, seq, schema) = (&bodies[k], &seqs[k], &schemas[k]);
+        statements.push(Box::pin(async move {
+            let params: [&(dyn ToSql + Sync); 7] =
+                [&e.event_id, &e.flow_id, seq, &e.kind, schema, body, &now_us];
+            tx.query_opt(insert, &params).await.map(Piped::Row)
+        }));
+        let stored = &stored;
+        statements.push(Box::pin(async move {
+            let params: [&(dyn ToSql + Sync); 3] = [&e.event_id, &e.flow_id, seq];
+            tx.query_opt(stored, &params).await.map(Piped::Row)
+        }));
+        statements
+            .push(Box::pin(async { tx.batch_execute("RELEASE SAVEPOINT step").await.map(|()| Piped::Done) }));
+    }
+    let answers = in_order(statements).await;
+    let mut decided = Vec::with_capacity(events.len());
+    for (k, four) in answers.chunks(4).enumerate() {
+        let [savepoint, inserted, read, release] = four else { break };
+        if let Err(e) = savepoint {
+            return (decided, Some(StepFailure::TransactionLost(classify(e))));
+        }
+        let failed = inserted.as_ref().err().or(read.as_ref().err());
+        if let Some(e) = failed {
+            let e = classify(e);
+            if matches!(e, StoreError::Unavailable(_)) {
+                return (decided, Some(StepFailure::TransactionLost(e)));
+            }
+            let undone = tx.batch_execute("ROLLBACK TO SAVEPOINT step; RELEASE SAVEPOINT step").await;
+            let failure =
+                if undone.is_ok() { StepFailure::RolledBack(e) } else { StepFailure::TransactionLost(e) };
+            return (decided, Some(failure));
+        }
+        if let Err(e) = release {
+            return (decided, Some(StepFailure::TransactionLost(classify(e))));
+        }
+        let (Ok(Piped::Row(inserted)), Ok(Piped::Row(read))) = (inserted, read) else { break };
+        decided.push(match (inserted, read) {
+            (Some(row), _) => {
+                Ok(Received { outcome: ReceiveOutcome::Accepted, position: unsigned(row.get(0)) })
+            }
+            (None, Some(read)) => stored_answer(events[k], &bodies[k], read),
+            (None, None) => Err(StoreError::Inconsistent("the stored-row read returned nothing".into())),
+        });
+    }
+    (decided, None)
+}
+
+/// What the stored rows (read right after an insert that stored nothing) say about `event`.
+fn stored_answer(event: &Event, body: &str, read: &Row) -> Result<Received> {
+    let stored_body: Option<String> = read.get(0);
+    let position: Option<i64> = read.get(1);
+    let holder: Option<String> = read.get(2);
+    match (stored_body, holder) {
+        (Some(stored), _) if stored == body => {
+            Ok(Received { outcome: ReceiveOutcome::Duplicate, position: position.map_or(0, unsigned) })
+        }
+        (Some(_), _) => Ok(Received { outcome: ReceiveOutcome::IdConflict, position: 0 }),
+        (None, Some(held_by)) => {
+            Ok(Received { outcome: ReceiveOutcome::SequenceConflict { held_by }, position: 0 })
+        }
+        (None, None) => Err(StoreError::Inconsistent(format!(
+            "inbox insert of {} stored nothing, yet neither its event_id nor its (flow_id, seq) is taken",
+            event.event_id
+        ))),
+    }
+}
+
+/// Stores `event` as pending unless its event id or its (flow_id, seq) is already taken, or
+/// the backlog is full under `admission` (the counter row is locked first, so the cap is
+/// exact across concurrent writers). Writes only for `Accepted`. The insert is tried first
+/// (`ON CONFLICT DO NOTHING`); only when it stored nothing are the stored rows read.
+async fn insert_pending(
+    tx: &Transaction<'_>,
+    event: &Event,
+    now_us: i64,
+    admission: Admission,
+) -> Result<Received> {
+    let body = event.canonical_body();
+    if let Admission::Cap(cap) = admission {
+        let stmt = tx.prepare_cached("SELECT unapplied FROM backlog WHERE id = 1 FOR UPDATE").await?;
+        let unapplied = unsigned(tx.query_one(&stmt, &[]).await?.get(0));
+        if unapplied >= cap {
+            if let Some(known) = stored_outcome(tx, event, &body).await? {
+                return Ok(known);
+            }
+            if !fills_gap(tx, event).await? {
+                return Ok(Received { outcome: ReceiveOutcome::BacklogFull { unapplied }, position: 0 });
+            }
+        }
+    }
+    let stmt = tx
+        .prepare_cached(
+            "INSERT INTO inbox(event_id, flow_id, seq, kind, schema, body, state, received_at_us)
+             VALUES ($1, $2, $3, $4, $5, $6, 'pending', $7) ON CONFLICT DO NOTHING RETURNING position",
+        )
+        .await?;
+    let schema = schema_column(event.schema);
+    let params: [&(dyn ToSql + Sync); 7] =
+        [&event.event_id, &event.flow_id, &big(event.seq), &event.kind, &schema, &body, &now_us];
+    if let Some(row) = tx.query_opt(&stmt, &params).await? {
+        return Ok(Received { outcome: ReceiveOutcome::Accepted, position: unsigned(row.get(0)) });
+    }
+    stored_outcome(tx, event, &body).await?.ok_or_else(|| {
+        StoreError::Inconsistent(format!(
+            "inbox insert of {} stored nothing, yet neither its event_id nor its (flow_id, seq) is taken",
+            event.event_id
+        ))
+    })
+}
+
+/// What the stored rows say about `event`: the same body under its id (`Duplicate`, with its
+/// position), another body (`IdConflict`), another id at its (flow_id, seq)
+/// (`SequenceConflict`), or nothing.
+async fn stored_outcome(tx: &Transaction<'_>, event: &Event, body: &str) -> Result<Option<Received>> {
+    let stmt = tx.prepare_cached("SELECT body, position FROM inbox WHERE event_id = $1").await?;
+    if let Some(row) = tx.query_opt(&stmt, &[&event.event_id]).await? {
+        let stored: String = row.get(0);
+        return Ok(Some(if stored == body {
+            Received { outcome: ReceiveOutcome::Duplicate, position: unsigned(row.get(1)) }
+        } else {
+            Received { outcome: ReceiveOutcome::IdConflict, position: 0 }
+        }));
+    }
+    let stmt = tx.prepare_cached("SELECT event_id FROM inbox WHERE flow_id = $1 AND seq = $2").await?;
+    let holder = tx.query_opt(&stmt, &[&event.flow_id, &big(event.seq)]).await?;
+    Ok(holder
+        .map(|r| Received { outcome: ReceiveOutcome::SequenceConflict { held_by: r.get(0) }, position: 0 }))
+}
+
+/// Whether `event` is exactly the next seq of a flow that already has rows waiting behind it.
+async fn fills_gap(tx: &Transaction<'_>, event: &Event) -> Result<bool> {
+    let next = projection(tx, &event.flow_id).await?.last_seq + 1;
+    if event.seq != next {
+        return Ok(false);
+    }
+    let stmt = tx
+        .prepare_cached(
+            "SELECT EXISTS(SELECT 1 FROM inbox WHERE flow_id = $1 AND seq > $2 AND state <> 'applied')",
+        )
+        .await?;
+    Ok(tx.query_one(&stmt, &[&event.flow_id, &big(event.seq)]).await?.get(0))
+}

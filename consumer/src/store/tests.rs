@@ -1,0 +1,509 @@
+//! The store's behaviour through [`ConsumerStore`], run on BOTH backends: a fresh SQLite file
+//! and a fresh PostgreSQL database per test (skipped loudly when no server is reachable,
+//! failing instead when `ORDERED_EVENTS_REQUIRE_PG=1`).
+
+use std::sync::Arc;
+
+use proto::flow::FlowState;
+use proto::pb;
+use proto::pg::testing::TestDb;
+use proto::target::DbTarget;
+
+use super::*;
+use crate::apply::{self, ApplyOptions, Stop};
+use crate::receive::StreamState;
+
+/// What keeps a test's database alive (dropped at the end of the test: the file is removed,
+/// the PostgreSQL database dropped).
+enum Keep {
+    Sqlite(#[allow(dead_code)] tempfile::TempDir),
+    Pg(#[allow(dead_code)] TestDb),
+}
+
+/// A store per backend, each on a fresh database.
+async fn stores(label: &str) -> Vec<(ConsumerStore, Keep)> {
+    let mut out = Vec::new();
+    let dir = tempfile::tempdir().unwrap();
+    let target = DbTarget::Sqlite(dir.path().join("c.db"));
+    out.push((ConsumerStore::open(&target).await.unwrap(), Keep::Sqlite(dir)));
+    if let Some(db) = TestDb::create(label) {
+        let target: DbTarget = db.url().parse().unwrap();
+        out.push((ConsumerStore::open(&target).await.unwrap(), Keep::Pg(db)));
+    }
+    out
+}
+
+impl ConsumerStore {
+    /// Runs backend-specific SQL (triggers, hand edits).
+    async fn exec(&self, sqlite: &str, pg: &str) {
+        match self {
+            ConsumerStore::Sqlite(s) => s.execute_batch(sqlite),
+            ConsumerStore::Postgres(p) => p.execute_batch(pg).await,
+        }
+    }
+}
+
+/// A PL/pgSQL trigger function raising `message`, and its trigger.
+fn pg_reject(table: &str, when: &str, message: &str) -> String {
+    format!(
+        "CREATE FUNCTION reject_{table}() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN RAISE EXCEPTION '{message}'; END $$;
+         CREATE TRIGGER reject_{table} BEFORE INSERT ON {table} FOR EACH ROW WHEN ({when})
+         EXECUTE FUNCTION reject_{table}();"
+    )
+}
+
+fn sqlite_reject(table: &str, when: &str, message: &str) -> String {
+    format!(
+        "CREATE TRIGGER reject_{table} BEFORE INSERT ON {table} WHEN {when}
+         BEGIN SELECT RAISE(ABORT, '{message}'); END;"
+    )
+}
+
+fn event(id: &str, flow: &str, seq: u64, kind: &str, schema: u32, payload: &str) -> Event {
+    let env = pb::EventEnvelope {
+        event_id: id.into(),
+        flow_id: flow.into(),
+        seq,
+        kind: kind.into(),
+        schema,
+        payload_json: payload.into(),
+    };
+    proto::limits::check_envelope(&env).unwrap()
+}
+
+const V1: &str = r#"{"amount":3}"#;
+
+fn reference(flow: &str, seq: u64) -> Event {
+    let kind = ["reserved", "confirmed", "released"][seq as usize - 1];
+    event(&format!("{flow}{seq}"), flow, seq, kind, 1, V1)
+}
+
+fn ctx(admission: Admission) -> ReceiveContext {
+    ReceiveContext { crash: CrashSwitch::default(), admission, storage: None }
+}
+
+/// One batch of events on one stream each (or `stream` for all when given).
+async fn batch(
+    store: &ConsumerStore,
+    events: Vec<(Event, Arc<StreamState>)>,
+    admission: Admission,
+) -> Vec<String> {
+    let incoming = events.into_iter().map(|(event, stream)| Incoming { event, stream }).collect();
+    store
+        .receive_batch(Arc::new(incoming), ctx(admission))
+        .await
+        .into_iter()
+        .map(|a| match a {
+            None => "Skipped".to_owned(),
+            Some(Ok(r)) => format!("{:?}", r.outcome),
+            Some(Err(e)) => format!("{:?}: {e}", e.status("receive").code()),
+        })
+        .collect()
+}
+
+async fn receive_one(store: &ConsumerStore, e: Event, admission: Admission) -> Received {
+    let incoming = vec![Incoming { event: e, stream: Arc::new(StreamState::default()) }];
+    let mut answers = store.receive_batch(Arc::new(incoming), ctx(admission)).await;
+    answers.pop().flatten().unwrap().unwrap()
+}
+
+async fn receive(store: &ConsumerStore, e: Event) -> ReceiveOutcome {
+    receive_one(store, e, Admission::Unlimited).await.outcome
+}
+
+async fn receive_capped(store: &ConsumerStore, e: Event, cap: u64) -> ReceiveOutcome {
+    receive_one(store, e, Admission::Cap(cap)).await.outcome
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn receive_outcomes_and_positions() {
+    for (store, _keep) in stores("c_receive_outcomes").await {
+        let b = store.backend();
+        assert_eq!(store.identity().await.unwrap().highest_position, 0, "{b}");
+        let first = receive_one(&store, reference("A", 1), Admission::Unlimited).await;
+        assert_eq!(first.outcome, ReceiveOutcome::Accepted, "{b}");
+        assert!(first.position >= 1, "{b}");
+        let again = receive_one(&store, reference("A", 1), Admission::Unlimited).await;
+        assert_eq!((again.outcome, again.position), (ReceiveOutcome::Duplicate, first.position), "{b}");
+        let changed = event("A1", "A", 1, "reserved", 1, r#"{"amount":4}"#);
+        assert_eq!(receive(&store, changed).await, ReceiveOutcome::IdConflict, "{b}");
+        let other_id = Event { event_id: "X".into(), ..reference("A", 1) };
+        assert_eq!(
+            receive(&store, other_id).await,
+            ReceiveOutcome::SequenceConflict { held_by: "A1".into() },
+            "{b}"
+        );
+        // A kind and schema this build does not know are stored, body byte for byte.
+        let unknown = event("A2", "A", 2, "teleported", 77, r#"{"who":"knows"}"#);
+        let second = receive_one(&store, unknown.clone(), Admission::Unlimited).await;
+        assert_eq!(second.outcome, ReceiveOutcome::Accepted, "{b}");
+        assert!(second.position > first.position, "{b}: arrival order");
+        let view = store.flow("A".into()).await.unwrap();
+        assert_eq!(view.inbox.len(), 2, "{b}");
+        assert_eq!(view.inbox[1].body, unknown.canonical_body(), "{b}");
+        assert!(view.inbox.iter().all(|r| r.state == InboxState::Pending && r.reason.is_none()), "{b}");
+        let identity = store.identity().await.unwrap();
+        assert_eq!(identity.highest_position, second.position, "{b}");
+        assert!(!identity.database_id.is_empty(), "{b}");
+        assert_eq!(store.identity().await.unwrap().database_id, identity.database_id, "{b}");
+    }
+}
+
+/// Duplicates inside one batch get exactly the answers one transaction each would give.
+#[tokio::test(flavor = "multi_thread")]
+async fn duplicates_within_a_batch_answer_as_if_sequential() {
+    for (store, _keep) in stores("c_batch_duplicates").await {
+        let s = Arc::new(StreamState::default());
+        let events = vec![
+            (event("A1", "A", 1, "reserved", 1, V1), Arc::clone(&s)),
+            (event("A1", "A", 1, "reserved", 1, V1), Arc::clone(&s)),
+            (event("A1", "A", 1, "reserved", 1, r#"{"amount":4}"#), Arc::clone(&s)),
+            (event("X", "A", 1, "reserved", 1, V1), Arc::clone(&s)),
+            (event("B1", "B", 1, "reserved", 1, V1), Arc::clone(&s)),
+        ];
+        assert_eq!(
+            batch(&store, events, Admission::Unlimited).await,
+            ["Accepted", "Duplicate", "IdConflict", "SequenceConflict { held_by: \"A1\" }", "Accepted"],
+            "{}",
+            store.backend()
+        );
+        assert_eq!(store.flow("A".into()).await.unwrap().inbox.len(), 1);
+        assert_eq!(store.flow("B".into()).await.unwrap().inbox.len(), 1);
+        assert!(!s.failed());
+    }
+}
+
+/// An envelope whose insert a trigger rejects rolls back alone and fails its own stream:
+/// that stream's later envelopes are not stored; other streams' envelopes commit.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failing_envelope_fails_only_its_stream() {
+    for (store, _keep) in stores("c_failing_envelope").await {
+        let b = store.backend();
+        store
+            .exec(
+                &sqlite_reject("inbox", "NEW.flow_id = 'B'", "inbox insert rejected"),
+                &pg_reject("inbox", "NEW.flow_id = 'B'", "inbox insert rejected"),
+            )
+            .await;
+        let (one, two) = (Arc::new(StreamState::default()), Arc::new(StreamState::default()));
+        let events = vec![
+            (reference("A", 1), Arc::clone(&one)),
+            (reference("B", 1), Arc::clone(&one)),
+            (reference("C", 1), Arc::clone(&one)),
+            (reference("D", 1), Arc::clone(&two)),
+        ];
+        let words = batch(&store, events, Admission::Unlimited).await;
+        assert_eq!(words[0], "Accepted", "{b}");
+        assert!(
+            words[1].starts_with("Internal") && words[1].contains("inbox insert rejected"),
+            "{b}: {words:?}"
+        );
+        assert_eq!(words[2..], ["Skipped", "Accepted"], "{b}");
+        assert!(one.failed() && !two.failed(), "{b}");
+        for (flow, rows) in [("A", 1), ("B", 0), ("C", 0), ("D", 1)] {
+            assert_eq!(store.flow(flow.into()).await.unwrap().inbox.len(), rows, "{b} {flow}");
+        }
+        assert_eq!(store.unapplied_count().await.unwrap(), 2, "{b}");
+    }
+}
+
+async fn apply(store: &ConsumerStore, flow: &str, max_steps: u32, opts: ApplyOptions) -> apply::ApplyReport {
+    apply::apply_flow(store, flow, max_steps, opts).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn apply_takes_exactly_the_next_seq_gaps_limits_and_idle() {
+    for (store, _keep) in stores("c_apply_order").await {
+        let b = store.backend();
+        let v1 = ApplyOptions::default();
+        receive(&store, reference("A", 3)).await;
+        let r = apply(&store, "A", 10, v1).await;
+        assert_eq!((r.applied.len(), r.stop), (0, Stop::Gap { waiting_for_seq: 1 }), "{b}");
+        receive(&store, reference("A", 1)).await;
+        receive(&store, reference("A", 2)).await;
+        let r = apply(&store, "A", 1, v1).await;
+        assert_eq!((r.applied, r.stop), (vec!["A1".to_owned()], Stop::Limit), "{b}");
+        let r = apply(&store, "A", 10, v1).await;
+        assert_eq!((r.applied, r.stop), (vec!["A2".to_owned(), "A3".to_owned()], Stop::Idle), "{b}");
+        assert_eq!(
+            r.projection,
+            Projection { last_seq: 3, state: FlowState::Released, held: 0, amount: 3 },
+            "{b}"
+        );
+        let r = apply(&store, "A", 10, v1).await;
+        assert_eq!((r.applied.len(), r.stop), (0, Stop::Idle), "{b}");
+        let view = store.flow("A".into()).await.unwrap();
+        assert_eq!(view.effects.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3], "{b}");
+        assert!(view.inbox.iter().all(|r| r.state == InboxState::Applied), "{b}");
+        assert_eq!(store.unapplied_count().await.unwrap(), 0, "{b}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn blocked_rows_wait_for_the_v2_decoder_and_keep_their_bodies() {
+    for (store, _keep) in stores("c_apply_v2").await {
+        let b = store.backend();
+        receive(&store, reference("A", 1)).await;
+        let v2_event = event("A2", "A", 2, "confirmed", 2, r#"{"units":3}"#);
+        receive(&store, v2_event.clone()).await;
+        let r = apply(&store, "A", 10, ApplyOptions::default()).await;
+        assert_eq!(r.applied, ["A1"], "{b}");
+        assert!(
+            matches!(&r.stop, Stop::Blocked { event_id, reason: BlockReason::UnsupportedSchema, .. } if event_id == "A2"),
+            "{b}: {:?}",
+            r.stop
+        );
+        let rows = store.flow("A".into()).await.unwrap().inbox;
+        assert_eq!(
+            (rows[1].state, rows[1].reason),
+            (InboxState::Blocked, Some(BlockReason::UnsupportedSchema))
+        );
+        let (stuck, total) = store.backlog(10).await.unwrap();
+        assert_eq!((stuck.len(), total), (1, 1), "{b}");
+        assert_eq!((stuck[0].lowest.seq, stuck[0].lowest.reason), (2, Some(BlockReason::UnsupportedSchema)));
+        assert_eq!(stuck[0].projection.last_seq, 1, "{b}");
+        let v2 = ApplyOptions { support_v2: true, ..ApplyOptions::default() };
+        let r = apply(&store, "A", 10, v2).await;
+        assert_eq!((r.applied, r.stop), (vec!["A2".to_owned()], Stop::Idle), "{b}");
+        let rows = store.flow("A".into()).await.unwrap().inbox;
+        assert_eq!((rows[1].state, rows[1].reason), (InboxState::Applied, None), "{b}");
+        assert_eq!(rows[1].body, v2_event.canonical_body(), "{b}: the body is never edited");
+        assert_eq!(store.backlog(10).await.unwrap().1, 0, "{b}");
+    }
+}
+
+/// A trigger that rejects the effect insert leaves no partial state: the projection write
+/// of the same step rolls back with it, and the call reports the storage failure.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rejected_effect_insert_leaves_no_partial_state() {
+    for (store, _keep) in stores("c_effect_trigger").await {
+        let b = store.backend();
+        for seq in 1..=2 {
+            receive(&store, reference("A", seq)).await;
+        }
+        store
+            .exec(
+                &sqlite_reject("effect", "NEW.seq = 2", "effects frozen"),
+                &pg_reject("effect", "NEW.seq = 2", "effects frozen"),
+            )
+            .await;
+        let failure = apply::apply_flow(&store, "A", 10, ApplyOptions::default()).await.unwrap_err();
+        assert_eq!(failure.applied, ["A1"], "{b}: the step before stays committed");
+        let status = failure.source.status("apply A");
+        assert_eq!(status.code(), tonic::Code::Internal, "{b}");
+        assert!(status.message().contains("effects frozen"), "{b}: {status:?}");
+        let view = store.flow("A".into()).await.unwrap();
+        assert_eq!(view.projection.last_seq, 1, "{b}");
+        assert_eq!(view.projection.state, FlowState::Reserved, "{b}");
+        assert_eq!(view.effects.len(), 1, "{b}");
+        assert_eq!(view.inbox[1].state, InboxState::Pending, "{b}");
+        assert_eq!(store.unapplied_count().await.unwrap(), 1, "{b}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_full_backlog_refuses_new_work_but_admits_the_awaited_seq() {
+    for (store, _keep) in stores("c_backlog_cap").await {
+        let b = store.backend();
+        assert_eq!(receive_capped(&store, reference("A", 1), 3).await, ReceiveOutcome::Accepted);
+        apply(&store, "A", 1, ApplyOptions::default()).await;
+        // A waits for seq 2 behind seq 3; B and C fill the backlog to its cap of 3.
+        for e in [reference("A", 3), reference("B", 1), reference("C", 1)] {
+            assert_eq!(receive_capped(&store, e, 3).await, ReceiveOutcome::Accepted, "{b}");
+        }
+        assert_eq!(store.unapplied_count().await.unwrap(), 3, "{b}");
+        // A new flow's first event and a non-next seq are refused; nothing is stored.
+        assert_eq!(
+            receive_capped(&store, reference("D", 1), 3).await,
+            ReceiveOutcome::BacklogFull { unapplied: 3 }
+        );
+        assert_eq!(
+            receive_capped(&store, reference("B", 2), 3).await,
+            ReceiveOutcome::BacklogFull { unapplied: 3 }
+        );
+        // Duplicates are still told apart when full.
+        assert_eq!(receive_capped(&store, reference("B", 1), 3).await, ReceiveOutcome::Duplicate, "{b}");
+        // The seq A waits for is admitted over the cap, and the backlog drains as it applies.
+        assert_eq!(receive_capped(&store, reference("A", 2), 3).await, ReceiveOutcome::Accepted, "{b}");
+        assert_eq!(store.unapplied_count().await.unwrap(), 4, "{b}");
+        apply(&store, "A", 10, ApplyOptions::default()).await;
+        assert_eq!(store.unapplied_count().await.unwrap(), 2, "{b}");
+        let (_, rows) = store.backlog(10).await.unwrap();
+        assert_eq!(rows, 2, "{b}: the counter matches the rows");
+        assert_eq!(receive_capped(&store, reference("D", 1), 3).await, ReceiveOutcome::Accepted, "{b}");
+    }
+}
+
+/// Many flows share transactions of any size and end exactly as one transaction per step
+/// would; a failing step (a bad stored body) fails its flow only.
+#[tokio::test(flavor = "multi_thread")]
+async fn apply_all_isolates_flows_and_failures() {
+    for (store, _keep) in stores("c_apply_all").await {
+        let b = store.backend();
+        for (flow, seqs) in [("A", &[1, 3][..]), ("B", &[1, 2, 3][..])] {
+            for &seq in seqs {
+                receive(&store, reference(flow, seq)).await;
+            }
+        }
+        receive(&store, reference("C", 1)).await;
+        let edit = "UPDATE inbox SET body = 'garbage' WHERE event_id = 'C1'";
+        store.exec(edit, edit).await;
+        let opts = ApplyOptions { max_batch: 2, ..ApplyOptions::default() };
+        let results = apply::apply_all(&store, 1000, opts).await.unwrap();
+        let ids: Vec<&str> = results.iter().map(|r| r.flow_id.as_str()).collect();
+        assert_eq!(ids, ["A", "B", "C"], "{b}");
+        let a = results[0].outcome.as_ref().unwrap();
+        assert_eq!(
+            (a.projection.state, a.projection.held, &a.stop),
+            (FlowState::Reserved, 3, &Stop::Gap { waiting_for_seq: 2 })
+        );
+        let bb = results[1].outcome.as_ref().unwrap();
+        assert_eq!((bb.projection.state, bb.applied.len()), (FlowState::Released, 3), "{b}");
+        let c = results[2].outcome.as_ref().unwrap_err();
+        assert!(c.to_string().contains("inconsistent"), "{b}: {c}");
+        assert_eq!(store.flows_with_unapplied(String::new(), 10).await.unwrap(), ["A", "C"], "{b}");
+    }
+}
+
+/// Two appliers (two pools: as two consumer instances would) racing over the same flows
+/// leave exactly one effect per seq, in order.
+#[tokio::test(flavor = "multi_thread")]
+async fn racing_appliers_apply_each_step_once() {
+    let Some(db) = TestDb::create("c_apply_race") else { return };
+    let target: DbTarget = db.url().parse().unwrap();
+    let one = ConsumerStore::open(&target).await.unwrap();
+    let two = ConsumerStore::open(&target).await.unwrap();
+    let flows: Vec<String> = (0..20).map(|i| format!("F{i}")).collect();
+    for flow in &flows {
+        for seq in 1..=3 {
+            receive(&one, reference(flow, seq)).await;
+        }
+    }
+    let opts = ApplyOptions { max_batch: 1, ..ApplyOptions::default() };
+    let (a, b) =
+        tokio::join!(one.apply_flows(flows.clone(), 1000, opts), two.apply_flows(flows.clone(), 1000, opts));
+    let mut applied = 0;
+    for r in a.iter().chain(b.iter()) {
+        let report = r.outcome.as_ref().unwrap_or_else(|e| panic!("{}: {e}", r.flow_id));
+        applied += report.applied.len();
+        assert_eq!(report.projection.last_seq, 3);
+    }
+    assert_eq!(applied, 60, "each step applied by exactly one of the two");
+    for flow in &flows {
+        let view = one.flow(flow.clone()).await.unwrap();
+        assert_eq!(view.effects.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3], "{flow}");
+    }
+    assert_eq!(one.unapplied_count().await.unwrap(), 0);
+}
+
+/// PostgreSQL: opening again finds the schema made by the first open and keeps its identity.
+#[tokio::test(flavor = "multi_thread")]
+async fn pg_open_is_idempotent_and_keeps_the_identity() {
+    let Some(db) = TestDb::create("c_pg_open") else { return };
+    let target: DbTarget = db.url().parse().unwrap();
+    let first = ConsumerStore::open(&target).await.unwrap();
+    let id = first.identity().await.unwrap().database_id;
+    let second = ConsumerStore::open(&target).await.unwrap();
+    assert_eq!(second.identity().await.unwrap().database_id, id);
+    assert_eq!(second.backend(), "postgres");
+}
+
+/// A batch larger than any small-join shortcut, with a failing envelope in the middle and a
+/// duplicate of an earlier one at the end: every answer is the one-by-one answer.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_large_batch_answers_each_envelope_in_order() {
+    for (store, _keep) in stores("c_large_batch").await {
+        let b = store.backend();
+        store
+            .exec(
+                &sqlite_reject("inbox", "NEW.flow_id = 'P20'", "inbox insert rejected"),
+                &pg_reject("inbox", "NEW.flow_id = 'P20'", "inbox insert rejected"),
+            )
+            .await;
+        let mut events: Vec<(Event, Arc<StreamState>)> =
+            (0..40).map(|i| (reference(&format!("P{i}"), 1), Arc::new(StreamState::default()))).collect();
+        events.push((reference("P5", 1), Arc::new(StreamState::default())));
+        events.push((reference("P20", 1), Arc::new(StreamState::default())));
+        let words = batch(&store, events, Admission::Unlimited).await;
+        for (i, word) in words.iter().enumerate() {
+            let expected = match i {
+                20 | 41 => "Internal",
+                40 => "Duplicate",
+                _ => "Accepted",
+            };
+            assert!(word.starts_with(expected), "{b}: envelope {i}: {word}");
+        }
+        assert_eq!(store.unapplied_count().await.unwrap(), 39, "{b}");
+        for i in [0, 19, 21, 39] {
+            assert_eq!(store.flow(format!("P{i}")).await.unwrap().inbox.len(), 1, "{b}: P{i}");
+        }
+        assert!(store.flow("P20".into()).await.unwrap().inbox.is_empty(), "{b}");
+    }
+}
+
+/// Many flows share apply transactions of any size and end exactly as one transaction per
+/// step would: a step whose effect insert a trigger rejects rolls back alone (its flow fails,
+/// keeping the steps committed before), a gap and a block stop only their own flow.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_group_of_flows_ends_like_one_step_per_transaction() {
+    let mut views: Vec<(String, Vec<String>, Vec<String>)> = Vec::new();
+    for max_batch in [1, 2, 4, 256] {
+        for (store, _keep) in stores(&format!("c_group_{max_batch}")).await {
+            for flow in ["A", "B", "C"] {
+                for seq in 1..=3 {
+                    receive(&store, reference(flow, seq)).await;
+                }
+            }
+            receive(&store, reference("G", 2)).await;
+            receive(&store, event("V1", "V", 1, "reserved", 2, r#"{"units":3}"#)).await;
+            store
+                .exec(
+                    &sqlite_reject("effect", "NEW.event_id = 'B2'", "effect B2 rejected"),
+                    &pg_reject("effect", "NEW.event_id = 'B2'", "effect B2 rejected"),
+                )
+                .await;
+            let opts = ApplyOptions { max_batch, ..ApplyOptions::default() };
+            let flows = ["A", "B", "C", "G", "V"].map(str::to_owned).to_vec();
+            let view: Vec<String> = store
+                .apply_flows(flows, 1000, opts)
+                .await
+                .iter()
+                .map(|r| match &r.outcome {
+                    Ok(report) => {
+                        format!(
+                            "{} {:?} {:?} {:?}",
+                            r.flow_id, report.applied, report.stop, report.projection
+                        )
+                    }
+                    // The failure's text is the backend's own; its kind and what it kept are not.
+                    Err(f) => format!(
+                        "{} failed after {:?}: {:?} {}",
+                        r.flow_id,
+                        f.applied,
+                        f.source.status("apply").code(),
+                        f.source.to_string().contains("effect B2 rejected")
+                    ),
+                })
+                .collect();
+            let b = store.backend();
+            assert_eq!(view[1], "B failed after [\"B1\"]: Internal true", "{b} {max_batch}: {view:?}");
+            assert!(view[3].contains("Gap { waiting_for_seq: 1 }"), "{b}: {view:?}");
+            assert!(view[4].contains("UnsupportedSchema"), "{b}: {view:?}");
+            let mut records = Vec::new();
+            for flow in ["A", "B", "C", "G", "V"] {
+                let v = store.flow(flow.into()).await.unwrap();
+                records.push(format!(
+                    "{:?} {:?} {:?}",
+                    v.projection,
+                    v.inbox.iter().map(|r| (r.seq, r.state, r.reason)).collect::<Vec<_>>(),
+                    v.effects
+                ));
+            }
+            views.push((format!("{b} batch {max_batch}"), view, records));
+        }
+    }
+    for other in &views[1..] {
+        assert_eq!((&other.1, &other.2), (&views[0].1, &views[0].2), "{} vs {}", other.0, views[0].0);
+    }
+}
