@@ -740,3 +740,80 @@ pub fn projections(target: &Target) -> Vec<ProjectionRow> {
 pub fn outbox_row(target: &Target, event_id: &str) -> Option<OutboxRow> {
     outbox(target).into_iter().find(|r| r.event_id == event_id)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Workdir;
+
+    /// The consumer tables the trigger test needs, as the schema contract has them.
+    fn create_effect_table(target: &Target) {
+        let sql = match target {
+            Target::Sqlite(_) => {
+                "CREATE TABLE effect(event_id TEXT, flow_id TEXT, seq INTEGER, kind TEXT, held INTEGER);"
+            }
+            Target::Postgres(_) => {
+                "CREATE SCHEMA ordered_events_consumer;
+                 CREATE TABLE ordered_events_consumer.effect(event_id TEXT, flow_id TEXT, seq BIGINT,
+                     kind TEXT, held BIGINT, position BIGINT GENERATED ALWAYS AS IDENTITY);"
+            }
+        };
+        execute(target, sql);
+    }
+
+    fn insert_effect(target: &Target, id: &str, flow: &str) -> Result<(), String> {
+        let table = match target {
+            Target::Sqlite(_) => "effect".to_owned(),
+            Target::Postgres(_) => format!("{PG_CONSUMER_SCHEMA}.effect"),
+        };
+        try_execute(
+            target,
+            &format!(
+                "INSERT INTO {table}(event_id, flow_id, seq, kind, held) VALUES ('{id}', '{flow}', 1, 'reserved', 3)"
+            ),
+        )
+    }
+
+    /// One trigger description rejects exactly the rows it names on the selected backend,
+    /// with its message, and is gone after `remove`; the reader sees apply order.
+    #[test]
+    fn a_trigger_rejects_its_rows_in_both_dialects() {
+        let Some(work) = Workdir::for_test() else { return };
+        let target = work.consumer_db();
+        create_effect_table(&target);
+        let trigger = Trigger {
+            name: "reject_a",
+            store: Store::Consumer,
+            table: "effect",
+            when: Some("NEW.flow_id = 'A'"),
+            message: "rejected by the harness test",
+        };
+        trigger.install(&target);
+        let err = insert_effect(&target, "A1", "A").expect_err("flow A is rejected");
+        assert!(err.contains("rejected by the harness test"), "{err}");
+        insert_effect(&target, "B1", "B").expect("flow B passes");
+        trigger.remove(&target);
+        insert_effect(&target, "A1", "A").expect("no trigger any more");
+        let ids: Vec<String> = effects(&target).into_iter().map(|e| e.event_id).collect();
+        assert_eq!(ids, ["B1", "A1"], "apply (rowid / position) order");
+        assert_eq!(count_effects(&open_ro(&target)), Ok(2));
+    }
+
+    /// Readers of a store whose tables were never created (a database that exists, a server
+    /// that never started on it) see nothing rather than failing.
+    #[test]
+    fn an_empty_database_reads_as_empty() {
+        let Some(work) = Workdir::for_test() else { return };
+        for target in [work.producer_db(), work.consumer_db()] {
+            if target.sqlite_path().is_some() {
+                execute(&target, "CREATE TABLE unrelated(x);");
+            }
+        }
+        assert!(outbox(&work.producer_db()).is_empty());
+        assert!(inbox(&work.consumer_db()).is_empty());
+        let s = open_ro(&work.consumer_db());
+        assert_eq!((inbox_high_water(&s), count_unapplied(&s)), (Ok(0), Ok(0)));
+        assert_eq!(read_backlog_counter(&s, Store::Consumer), Ok(None));
+        assert_eq!(integrity_check(&s, Store::Consumer), Ok(()));
+    }
+}

@@ -603,3 +603,45 @@ pub fn signal(pid: u32, sig: libc::c_int) {
         libc::kill(pid as libc::pid_t, sig);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn database_exists(name: &str) -> bool {
+        let admin = std::env::var(proto::pg::testing::URL_ENV)
+            .unwrap_or_else(|_| proto::pg::testing::DEFAULT_URL.to_owned());
+        let session = crate::db::PgSession::connect(&admin, true).expect("admin connection");
+        let name = name.to_owned();
+        session
+            .run(move |c| c.query_one("SELECT count(*) FROM pg_database WHERE datname = $1", &[&name]))
+            .expect("thread")
+            .map(|r| r.get::<_, i64>(0) == 1)
+            .expect("pg_database")
+    }
+
+    /// A workdir's databases follow the backend: two files on SQLite; on PostgreSQL one fresh
+    /// database shared by both stores (plus any `other_db`), all dropped with the workdir.
+    #[test]
+    fn a_workdir_makes_and_drops_its_databases() {
+        let Some(mut work) = Workdir::for_test() else { return };
+        assert_eq!(work.backend(), Backend::current());
+        let other = work.other_db("second.db");
+        match work.backend() {
+            Backend::Sqlite => {
+                assert_eq!(work.producer_db(), Target::Sqlite(work.path("producer.db")));
+                assert_eq!(work.consumer_db(), Target::Sqlite(work.path("consumer.db")));
+                assert_eq!(other, Target::Sqlite(work.path("second.db")));
+            }
+            Backend::Postgres => {
+                assert_eq!(work.producer_db(), work.consumer_db());
+                assert_ne!(work.producer_db(), other);
+                let names: Vec<String> = work.pg.iter().map(|db| db.name().to_owned()).collect();
+                assert!(names[0].contains("a_workdir_makes_and_drops"), "named after the test: {names:?}");
+                assert!(names.iter().all(|n| database_exists(n)));
+                drop(work);
+                assert!(names.iter().all(|n| !database_exists(n)), "dropped with the workdir: {names:?}");
+            }
+        }
+    }
+}
