@@ -119,6 +119,12 @@ impl Workdir {
     }
 }
 
+impl Default for Workdir {
+    fn default() -> Self {
+        Workdir::new()
+    }
+}
+
 /// The running test's name (cargo names each test's thread after it), for database names.
 fn test_label() -> String {
     let thread = std::thread::current();
