@@ -150,10 +150,16 @@ fn json_logs_for_collectors() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
         .collect();
-    assert!(
-        lines.iter().any(|l| l["fields"]["synchronous"] == "FULL" && l["fields"]["journal_mode"] == "wal"),
-        "{log}"
-    );
+    // The durability settings in effect, as fields a collector can alert on.
+    let durable = |l: &serde_json::Value| match work.backend() {
+        harness::Backend::Sqlite => {
+            l["fields"]["synchronous"] == "FULL" && l["fields"]["journal_mode"] == "wal"
+        }
+        harness::Backend::Postgres => {
+            l["fields"]["synchronous_commit"] == "on" && l["fields"]["backend"] == "postgres"
+        }
+    };
+    assert!(lines.iter().any(durable), "{log}");
     assert!(
         lines.iter().any(|l| l["fields"]["message"].as_str().is_some_and(|m| m.contains("NOT_SERVING"))),
         "{log}"
