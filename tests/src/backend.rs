@@ -150,7 +150,13 @@ pub fn ready() -> bool {
 macro_rules! sqlite_only {
     ($why:expr) => {
         if $crate::backend::Backend::current() != $crate::backend::Backend::Sqlite {
-            eprintln!("SKIPPED on {} (SQLite only): {}", $crate::backend::Backend::current(), $why);
+            // Straight to the stream, not through eprintln!, which the test runner captures
+            // (and hides) for a passing test: a skip must be seen.
+            let _ = ::std::io::Write::write_all(
+                &mut ::std::io::stderr(),
+                format!("SKIPPED on {} (SQLite only): {}\n", $crate::backend::Backend::current(), $why)
+                    .as_bytes(),
+            );
             return;
         }
     };
