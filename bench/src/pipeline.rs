@@ -222,7 +222,7 @@ impl Pipeline {
             launcher.command(dir, "relay")?,
             dir,
             "relay",
-            &producer_db,
+            &harness::Target::Sqlite(producer_db.clone()),
             &consumer.url(),
             &[
                 "run",

@@ -412,8 +412,14 @@ pub mod testing {
                     if std::env::var(REQUIRE_ENV).as_deref() == Ok("1") {
                         panic!("PostgreSQL is required ({REQUIRE_ENV}=1) but unusable at {admin}: {reason}");
                     }
-                    eprintln!(
-                        "SKIPPED (PostgreSQL unreachable at {admin}): {reason}; set {URL_ENV} to a server, or {REQUIRE_ENV}=1 to fail instead"
+                    // Straight to the stream, not through eprintln!, which the test runner
+                    // captures (and hides) for a passing test: a skip must be seen.
+                    let _ = std::io::Write::write_all(
+                        &mut std::io::stderr(),
+                        format!(
+                            "SKIPPED (PostgreSQL unreachable at {admin}): {reason}; set {URL_ENV} to a server, or {REQUIRE_ENV}=1 to fail instead\n"
+                        )
+                        .as_bytes(),
                     );
                     None
                 }

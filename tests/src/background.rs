@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::backend::Target;
 use crate::proc::{RelayRun, bin_path, wait_with_deadline};
 
 /// A `relay run` child. Killed on drop if still running.
@@ -22,7 +23,7 @@ impl RelayDaemon {
     pub fn start(
         dir: &Path,
         name: &str,
-        producer_db: &Path,
+        producer_db: &Target,
         consumer_url: &str,
         extra: &[&str],
         env: &[(&str, &str)],
@@ -37,7 +38,7 @@ impl RelayDaemon {
     pub fn start_mode(
         dir: &Path,
         name: &str,
-        producer_db: &Path,
+        producer_db: &Target,
         consumer_url: &str,
         args: &[&str],
         env: &[(&str, &str)],
@@ -51,14 +52,14 @@ impl RelayDaemon {
         mut cmd: Command,
         dir: &Path,
         name: &str,
-        producer_db: &Path,
+        producer_db: &Target,
         consumer_url: &str,
         args: &[&str],
         env: &[(&str, &str)],
     ) -> RelayDaemon {
         let stdout = dir.join(format!("{name}.out"));
         let stderr = dir.join(format!("{name}.err"));
-        cmd.arg("--producer-db").arg(producer_db).arg("--consumer").arg(consumer_url).args(args);
+        cmd.arg("--producer-db").arg(producer_db.arg()).arg("--consumer").arg(consumer_url).args(args);
         crate::proc::strip_ours(&mut cmd);
         for (k, v) in env {
             cmd.env(k, v);

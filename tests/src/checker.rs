@@ -12,18 +12,19 @@
 //!   the outbox body of its event id, effects match it, and no forged delivery got in;
 //! - I6 pending work drains to zero (no unaccepted outbox row, no unapplied inbox row) within
 //!   a deadline;
-//! - I7 `PRAGMA integrity_check` is `ok` on both files.
+//! - I7 each store passes its integrity check: `PRAGMA integrity_check` is `ok` on SQLite;
+//!   on PostgreSQL (whose server guards its pages) the backlog counters equal the rows.
 //!
 //! Besides these, `Answers` flags an Advance answer the spec does not allow for its request.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use crate::backend::Target;
 use crate::canon;
-use crate::db::{self, EffectRow, InboxRow, OutboxRow, ProjectionRow};
+use crate::db::{self, EffectRow, InboxRow, OutboxRow, ProjectionRow, Store};
 
 /// One property the checker judges.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
@@ -71,7 +72,9 @@ impl Invariant {
             Invariant::I4RefusedNotApplied => "nothing the producer refused is applied",
             Invariant::I5NoConflictingBody => "no conflicting body was applied",
             Invariant::I6Drained => "pending drains to zero within the deadline",
-            Invariant::I7Integrity => "PRAGMA integrity_check is ok on both files",
+            Invariant::I7Integrity => {
+                "each store passes its integrity check (SQLite: PRAGMA integrity_check; PostgreSQL: exact backlog counters)"
+            }
         }
     }
 
@@ -200,13 +203,13 @@ pub struct History {
     pub forged: Vec<ForgedRecord>,
 }
 
-/// The two database files.
+/// The two databases (files, or one PostgreSQL database holding both schemas).
 #[derive(Clone, Debug)]
 pub struct Files {
-    /// producer.db.
-    pub producer_db: PathBuf,
-    /// consumer.db.
-    pub consumer_db: PathBuf,
+    /// producer.db (or the producer's schema).
+    pub producer_db: Target,
+    /// consumer.db (or the consumer's schema).
+    pub consumer_db: Target,
 }
 
 /// One breach.
@@ -316,16 +319,14 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
-    /// Reads both files, each in one read transaction (so a file's tables agree).
+    /// Reads both stores, each in one read transaction (so a store's tables agree).
     pub fn read(files: &Files) -> Result<Snapshot, String> {
-        let mut p = db::try_open_ro(&files.producer_db)?;
-        let p = p.transaction().map_err(|e| format!("producer.db: {e}"))?;
-        let outbox = db::read_outbox(&p)?;
-        let mut c = db::try_open_ro(&files.consumer_db)?;
-        let c = c.transaction().map_err(|e| format!("consumer.db: {e}"))?;
-        let inbox = db::read_inbox(&c)?;
-        let effects = db::read_effects(&c)?;
-        let projections = db::read_projections(&c)?;
+        let p = db::try_open_ro(&files.producer_db)?;
+        let outbox = p.snapshot(db::read_outbox).map_err(|e| format!("producer: {e}"))?;
+        let c = db::try_open_ro(&files.consumer_db)?;
+        let (inbox, effects, projections) = c
+            .snapshot(|c| Ok((db::read_inbox(c)?, db::read_effects(c)?, db::read_projections(c)?)))
+            .map_err(|e| format!("consumer: {e}"))?;
         Ok(Snapshot { outbox, inbox, effects, projections })
     }
 }
@@ -614,13 +615,14 @@ fn i6_drained(drain: &Drain, snap: &Snapshot) -> Vec<String> {
     out
 }
 
-/// I7: `PRAGMA integrity_check` is `ok` on both files.
+/// I7: each store passes its backend's integrity check (SQLite: `PRAGMA integrity_check` is
+/// `ok`; PostgreSQL: the backlog counters equal the rows they count).
 fn i7_integrity(files: &Files) -> Vec<String> {
-    [("producer.db", &files.producer_db), ("consumer.db", &files.consumer_db)]
+    [("producer", &files.producer_db, Store::Producer), ("consumer", &files.consumer_db, Store::Consumer)]
         .into_iter()
-        .filter_map(|(name, path)| {
-            db::try_open_ro(path)
-                .and_then(|conn| db::integrity_check(&conn))
+        .filter_map(|(name, target, store)| {
+            db::try_open_ro(target)
+                .and_then(|conn| db::integrity_check(&conn, store))
                 .err()
                 .map(|e| format!("{name}: {e}"))
         })

@@ -4,14 +4,16 @@
 
 use std::time::Duration;
 
-use rusqlite::Connection;
-
 use super::*;
+use crate::backend::Backend;
 
-/// A hand-built pair of files: flow A committed and applied in full (3 steps), flow B up to
+/// A hand-built pair of stores: flow A committed and applied in full (3 steps), flow B up to
 /// seq 2; the history has every step's COMMITTED answer plus a STALE and a CONFLICT refusal.
+/// On the selected backend: two SQLite files, or one scratch PostgreSQL database with the two
+/// schemas of the contract (`position` as the last column of `inbox` and `effect`).
 struct Fixture {
     _dir: tempfile::TempDir,
+    _pg: Option<proto::pg::testing::TestDb>,
     files: Files,
     history: History,
 }
@@ -42,55 +44,75 @@ fn step(flow: &str, seq: u64) -> AdvanceRecord {
     }
 }
 
+const SQLITE_PRODUCER: &str = "PRAGMA journal_mode=WAL;
+    CREATE TABLE outbox(event_id TEXT PRIMARY KEY, flow_id TEXT, seq INTEGER, kind TEXT,
+        schema INTEGER, body TEXT, accepted INTEGER, attempts INTEGER, last_outcome TEXT);";
+const SQLITE_CONSUMER: &str = "PRAGMA journal_mode=WAL;
+    CREATE TABLE inbox(event_id TEXT, flow_id TEXT, seq INTEGER, kind TEXT, schema INTEGER,
+        body TEXT, state TEXT, reason TEXT, received_at_us INTEGER);
+    CREATE TABLE effect(event_id TEXT, flow_id TEXT, seq INTEGER, kind TEXT, held INTEGER);
+    CREATE TABLE projection(flow_id TEXT PRIMARY KEY, last_seq INTEGER, state TEXT, held INTEGER);";
+const PG_PRODUCER: &str = "CREATE SCHEMA ordered_events_producer;
+    CREATE TABLE ordered_events_producer.outbox(event_id TEXT PRIMARY KEY, flow_id TEXT, seq BIGINT,
+        kind TEXT, schema INTEGER, body TEXT, accepted INTEGER, attempts BIGINT, last_outcome TEXT);";
+const PG_CONSUMER: &str = "CREATE SCHEMA ordered_events_consumer;
+    CREATE TABLE ordered_events_consumer.inbox(event_id TEXT, flow_id TEXT, seq BIGINT, kind TEXT,
+        schema INTEGER, body TEXT, state TEXT, reason TEXT, received_at_us BIGINT,
+        position BIGINT GENERATED ALWAYS AS IDENTITY);
+    CREATE TABLE ordered_events_consumer.effect(event_id TEXT, flow_id TEXT, seq BIGINT, kind TEXT,
+        held BIGINT, position BIGINT GENERATED ALWAYS AS IDENTITY);
+    CREATE TABLE ordered_events_consumer.projection(flow_id TEXT PRIMARY KEY, last_seq BIGINT,
+        state TEXT, held BIGINT);";
+
 impl Fixture {
-    fn new() -> Fixture {
+    /// The fixture on the selected backend; `None` (after the SKIPPED line) when it is
+    /// PostgreSQL and no server answers.
+    fn new() -> Option<Fixture> {
         let dir = tempfile::tempdir().expect("temp dir");
-        let files = Files { producer_db: dir.path().join("p.db"), consumer_db: dir.path().join("c.db") };
-        let p = Connection::open(&files.producer_db).expect("p.db");
-        p.execute_batch(
-            "PRAGMA journal_mode=WAL;
-             CREATE TABLE outbox(event_id TEXT PRIMARY KEY, flow_id TEXT, seq INTEGER, kind TEXT,
-                 schema INTEGER, body TEXT, accepted INTEGER, attempts INTEGER);",
-        )
-        .expect("producer schema");
-        let c = Connection::open(&files.consumer_db).expect("c.db");
-        c.execute_batch(
-            "PRAGMA journal_mode=WAL;
-             CREATE TABLE inbox(event_id TEXT, flow_id TEXT, seq INTEGER, kind TEXT, schema INTEGER,
-                 body TEXT, state TEXT, reason TEXT, received_at_us INTEGER);
-             CREATE TABLE effect(event_id TEXT, flow_id TEXT, seq INTEGER, kind TEXT, held INTEGER);
-             CREATE TABLE projection(flow_id TEXT PRIMARY KEY, last_seq INTEGER, state TEXT, held INTEGER);",
-        )
-        .expect("consumer schema");
-        let mut history = History::default();
+        let (pg, files) = match Backend::current() {
+            Backend::Sqlite => {
+                let files = Files {
+                    producer_db: dir.path().join("p.db").into(),
+                    consumer_db: dir.path().join("c.db").into(),
+                };
+                db::execute(&files.producer_db, SQLITE_PRODUCER);
+                db::execute(&files.consumer_db, SQLITE_CONSUMER);
+                (None, files)
+            }
+            Backend::Postgres => {
+                let pg = proto::pg::testing::TestDb::create("checker")?;
+                let target = Target::Postgres(pg.url().to_owned());
+                db::execute(&target, PG_PRODUCER);
+                db::execute(&target, PG_CONSUMER);
+                (Some(pg), Files { producer_db: target.clone(), consumer_db: target })
+            }
+        };
+        let mut f = Fixture { _dir: dir, _pg: pg, files, history: History::default() };
+        let (mut producer, mut consumer) = (String::new(), String::new());
         for (flow, n) in [("A", 3), ("B", 2)] {
             for seq in 1..=n {
                 let rec = step(flow, seq);
-                let b = body(&rec.event_id, flow, seq, 3);
-                p.execute(
-                    "INSERT INTO outbox VALUES (?1, ?2, ?3, ?4, 1, ?5, 1, 1)",
-                    rusqlite::params![rec.event_id, flow, seq, rec.kind, b],
-                )
-                .expect("outbox row");
-                c.execute(
-                    "INSERT INTO inbox VALUES (?1, ?2, ?3, ?4, 1, ?5, 'applied', NULL, 0)",
-                    rusqlite::params![rec.event_id, flow, seq, rec.kind, b],
-                )
-                .expect("inbox row");
+                let (id, kind) = (&rec.event_id, &rec.kind);
+                let b = body(id, flow, seq, 3);
                 let held = if seq == 3 { 0 } else { 3 };
-                c.execute(
-                    "INSERT INTO effect VALUES (?1, ?2, ?3, ?4, ?5)",
-                    rusqlite::params![rec.event_id, flow, seq, rec.kind, held],
-                )
-                .expect("effect row");
-                history.advances.push(rec);
+                producer.push_str(&format!(
+                    "INSERT INTO outbox(event_id, flow_id, seq, kind, schema, body, accepted, attempts)
+                     VALUES ('{id}', '{flow}', {seq}, '{kind}', 1, '{b}', 1, 1);"
+                ));
+                consumer.push_str(&format!(
+                    "INSERT INTO inbox VALUES ('{id}', '{flow}', {seq}, '{kind}', 1, '{b}', 'applied', NULL, 0);
+                     INSERT INTO effect VALUES ('{id}', '{flow}', {seq}, '{kind}', {held});"
+                ));
+                f.history.advances.push(rec);
             }
         }
-        c.execute_batch(
+        f.producer(&producer);
+        f.consumer(&consumer);
+        f.consumer(
             "INSERT INTO projection VALUES ('A', 3, 'released', 0);
              INSERT INTO projection VALUES ('B', 2, 'confirmed', 3);",
-        )
-        .expect("projections");
+        );
+        let history = &mut f.history;
         // Refusals the producer gave: a stale fresh id, and A1 again with another amount.
         let mut stale = step("B", 3);
         stale.event_id = "B-stale".into();
@@ -103,15 +125,26 @@ impl Fixture {
         conflict.intent = Intent::Conflict;
         conflict.answer = Answer::Conflict { body: body("A1", "A", 1, 3) };
         history.advances.push(conflict);
-        Fixture { _dir: dir, files, history }
+        Some(f)
     }
 
+    /// Runs `sql` on the producer's tables (unqualified names).
     fn producer(&self, sql: &str) {
-        Connection::open(&self.files.producer_db).expect("p.db").execute_batch(sql).expect(sql);
+        Self::run(&self.files.producer_db, Store::Producer, sql);
     }
 
+    /// Runs `sql` on the consumer's tables (unqualified names).
     fn consumer(&self, sql: &str) {
-        Connection::open(&self.files.consumer_db).expect("c.db").execute_batch(sql).expect(sql);
+        Self::run(&self.files.consumer_db, Store::Consumer, sql);
+    }
+
+    fn run(target: &Target, store: Store, sql: &str) {
+        match target {
+            Target::Sqlite(_) => db::execute(target, sql),
+            Target::Postgres(_) => {
+                db::execute(target, &format!("SET search_path TO {};{sql}", store.pg_schema()))
+            }
+        }
     }
 
     fn check(&self) -> Verdict {
@@ -131,7 +164,7 @@ fn assert_flags(verdict: &Verdict, invariant: Invariant) {
 
 #[test]
 fn a_clean_history_passes() {
-    let f = Fixture::new();
+    let Some(f) = Fixture::new() else { return };
     let v = f.check();
     assert!(v.ok(), "{:#?}", v.violations);
     assert_eq!((v.committed_events, v.committed_flows, v.effects), (5, 2, 5));
@@ -139,7 +172,7 @@ fn a_clean_history_passes() {
 
 #[test]
 fn i1_a_committed_event_never_applied() {
-    let f = Fixture::new();
+    let Some(f) = Fixture::new() else { return };
     // B2 is committed and marked accepted, but the consumer has no trace of it.
     f.consumer(
         "DELETE FROM inbox WHERE event_id = 'B2'; DELETE FROM effect WHERE event_id = 'B2';
@@ -152,7 +185,7 @@ fn i1_a_committed_event_never_applied() {
 
 #[test]
 fn i1_an_acknowledged_commit_lost() {
-    let mut f = Fixture::new();
+    let Some(mut f) = Fixture::new() else { return };
     // A client was told B3 committed, but no file has it.
     f.history.advances.push(step("B", 3));
     let v = f.check();
@@ -162,14 +195,14 @@ fn i1_an_acknowledged_commit_lost() {
 
 #[test]
 fn i2_two_effects_for_one_seq() {
-    let f = Fixture::new();
+    let Some(f) = Fixture::new() else { return };
     f.consumer("INSERT INTO effect VALUES ('A3', 'A', 3, 'released', 0);");
     assert_flags(&f.check(), Invariant::I2OneEffect);
 }
 
 #[test]
 fn i3_effects_out_of_order() {
-    let f = Fixture::new();
+    let Some(f) = Fixture::new() else { return };
     // B's effects were applied 2 before 1.
     f.consumer(
         "DELETE FROM effect WHERE flow_id = 'B';
@@ -183,14 +216,14 @@ fn i3_effects_out_of_order() {
 
 #[test]
 fn i3_a_projection_past_its_effects() {
-    let f = Fixture::new();
+    let Some(f) = Fixture::new() else { return };
     f.consumer("UPDATE projection SET last_seq = 3, state = 'released', held = 0 WHERE flow_id = 'B';");
     assert_flags(&f.check(), Invariant::I3Contiguous);
 }
 
 #[test]
 fn i4_a_refused_event_applied() {
-    let f = Fixture::new();
+    let Some(f) = Fixture::new() else { return };
     // The producer answered B-stale STALE, yet the consumer applied it as B's seq 3.
     let b = body("B-stale", "B", 3, 3);
     f.consumer(&format!(
@@ -205,7 +238,7 @@ fn i4_a_refused_event_applied() {
 
 #[test]
 fn i4_a_refused_conflicting_body_stored() {
-    let f = Fixture::new();
+    let Some(f) = Fixture::new() else { return };
     let refused = body("A1", "A", 1, 9);
     f.consumer(&format!("UPDATE inbox SET body = '{refused}' WHERE event_id = 'A1';"));
     assert_flags(&f.check(), Invariant::I4RefusedNotApplied);
@@ -213,7 +246,7 @@ fn i4_a_refused_conflicting_body_stored() {
 
 #[test]
 fn i5_a_conflicting_body_applied() {
-    let f = Fixture::new();
+    let Some(f) = Fixture::new() else { return };
     // The consumer holds A2 with amount 4 where the producer committed amount 3.
     let other = body("A2", "A", 2, 4);
     f.consumer(&format!("UPDATE inbox SET body = '{other}' WHERE event_id = 'A2';"));
@@ -224,7 +257,7 @@ fn i5_a_conflicting_body_applied() {
 
 #[test]
 fn i5_a_forged_delivery_stored() {
-    let mut f = Fixture::new();
+    let Some(mut f) = Fixture::new() else { return };
     let forged = body("forged-1", "B", 3, 3);
     f.history.forged.push(ForgedRecord {
         event_id: "forged-1".into(),
@@ -241,7 +274,7 @@ fn i5_a_forged_delivery_stored() {
 
 #[test]
 fn i6_pending_work_never_drains() {
-    let f = Fixture::new();
+    let Some(f) = Fixture::new() else { return };
     f.producer("UPDATE outbox SET accepted = 0 WHERE event_id = 'B2';");
     let drain = wait_drained(&f.files, Duration::ZERO);
     assert_eq!(drain, Drain::TimedOut { unaccepted: 1, unapplied: 0 });
@@ -252,15 +285,23 @@ fn i6_pending_work_never_drains() {
 
 #[test]
 fn i7_an_integrity_failure() {
-    let f = Fixture::new();
-    // An index whose stored entries no longer match its declared order: the schema text is
-    // rewritten behind SQLite's back, so the b-tree and the definition disagree.
-    f.consumer(
-        "CREATE TABLE t(x INTEGER); CREATE INDEX t_x ON t(x); INSERT INTO t VALUES (1), (2), (3);
-         PRAGMA writable_schema = ON;
-         UPDATE sqlite_schema SET sql = 'CREATE INDEX t_x ON t(x DESC)' WHERE name = 't_x';
-         PRAGMA writable_schema = OFF;",
-    );
+    let Some(f) = Fixture::new() else { return };
+    match f.files.consumer_db {
+        // An index whose stored entries no longer match its declared order: the schema text is
+        // rewritten behind SQLite's back, so the b-tree and the definition disagree.
+        Target::Sqlite(_) => f.consumer(
+            "CREATE TABLE t(x INTEGER); CREATE INDEX t_x ON t(x); INSERT INTO t VALUES (1), (2), (3);
+             PRAGMA writable_schema = ON;
+             UPDATE sqlite_schema SET sql = 'CREATE INDEX t_x ON t(x DESC)' WHERE name = 't_x';
+             PRAGMA writable_schema = OFF;",
+        ),
+        // PostgreSQL guards its own pages; what the store must keep exact is its backlog
+        // counter, here one off from the (zero) unapplied rows.
+        Target::Postgres(_) => f.consumer(
+            "CREATE TABLE backlog(id INTEGER PRIMARY KEY, unapplied BIGINT);
+             INSERT INTO backlog VALUES (1, 1);",
+        ),
+    }
     let v = f.check();
     assert_flags(&v, Invariant::I7Integrity);
     assert_eq!(v.breached(), BTreeSet::from([Invariant::I7Integrity]), "{:#?}", v.violations);
@@ -268,7 +309,7 @@ fn i7_an_integrity_failure() {
 
 #[test]
 fn answers_a_decoy_that_committed() {
-    let mut f = Fixture::new();
+    let Some(mut f) = Fixture::new() else { return };
     let mut stale = step("A", 1);
     stale.event_id = "A-decoy".into();
     stale.intent = Intent::Stale;
@@ -279,7 +320,7 @@ fn answers_a_decoy_that_committed() {
 
 #[test]
 fn observations_count_resends_and_late_arrivals() {
-    let f = Fixture::new();
+    let Some(f) = Fixture::new() else { return };
     f.producer("UPDATE outbox SET attempts = 3 WHERE event_id = 'A1';");
     // B2 arrives (rowid order) before B1.
     f.consumer(

@@ -1,7 +1,9 @@
 //! The multi-process harness shared by the test suite and the experiment runner: it starts
 //! the real `producer`, `consumer` and `relay` binaries on temp files, waits on readiness
-//! lines, exits and predicates (never on sleeps), and reads the database files back.
+//! lines, exits and predicates (never on sleeps), and reads the databases back, on either
+//! backend (SQLite files or PostgreSQL, see [`backend`]).
 
+pub mod backend;
 pub mod background;
 pub mod canon;
 pub mod chaos;
@@ -14,6 +16,7 @@ pub mod rng;
 pub mod scenarios;
 pub mod scrape;
 
+pub use backend::{Backend, Target};
 pub use proc::{Consumer, Finished, Producer, RelayRun, Workdir, bin_path, relay, run_to_exit};
 
 use proto::pb;

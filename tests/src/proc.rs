@@ -12,7 +12,10 @@ use proto::crash::{self, CrashPoint};
 use proto::pb;
 use proto::pb::consumer_client::ConsumerClient;
 use proto::pb::producer_client::ProducerClient;
+use proto::pg::testing::TestDb;
 use tonic::transport::Channel;
+
+use crate::backend::{Backend, Target};
 
 /// How long a server may take to print its address.
 pub const START_DEADLINE: Duration = Duration::from_secs(30);
@@ -35,28 +38,84 @@ pub fn bin_path(name: &str) -> PathBuf {
     path
 }
 
-/// A temp directory for one test or scenario, with the conventional file names.
+/// A temp directory for one test or scenario (logs, tokens, certificates; on SQLite the
+/// database files too) and, on PostgreSQL, a fresh database made for it on the server named
+/// by `ORDERED_EVENTS_TEST_PG_URL`, holding both stores in their own schemas and dropped
+/// (`WITH (FORCE)`) when the `Workdir` drops.
 pub struct Workdir {
     /// The directory, removed on drop.
     pub dir: tempfile::TempDir,
+    /// The test's PostgreSQL databases (the main one first), on that backend.
+    pg: Vec<TestDb>,
+    backend: Backend,
 }
 
 impl Workdir {
-    /// A fresh temp directory.
+    /// A fresh workdir on the selected backend ([`Backend::current`]); panics when its
+    /// PostgreSQL server cannot be used (for the experiment runner and the chaos driver,
+    /// which check [`crate::backend::ready`] first). Tests use [`Workdir::for_test`].
     pub fn new() -> Workdir {
-        Workdir { dir: tempfile::Builder::new().prefix("oe-test-").tempdir().expect("temp dir") }
+        Self::try_new().unwrap_or_else(|| panic!("PostgreSQL is unreachable (see the SKIPPED line above)"))
     }
+
+    /// A fresh workdir for a test, or `None` after one loud `SKIPPED (PostgreSQL unreachable
+    /// at …)` line when the suite runs on PostgreSQL and no server answers; then the test
+    /// returns: `let Some(work) = Workdir::for_test() else { return };`. With
+    /// `ORDERED_EVENTS_REQUIRE_PG=1` an unreachable server fails the test instead.
+    pub fn for_test() -> Option<Workdir> {
+        Self::try_new()
+    }
+
+    fn try_new() -> Option<Workdir> {
+        let dir = tempfile::Builder::new().prefix("oe-test-").tempdir().expect("temp dir");
+        let backend = Backend::current();
+        let mut work = Workdir { dir, pg: Vec::new(), backend };
+        if backend == Backend::Postgres {
+            work.pg.push(TestDb::create(&test_label())?);
+        }
+        Some(work)
+    }
+
+    /// The backend the services of this workdir run on.
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
     /// A file name inside the directory.
     pub fn path(&self, name: &str) -> PathBuf {
         self.dir.path().join(name)
     }
-    /// The producer's database file.
-    pub fn producer_db(&self) -> PathBuf {
-        self.path("producer.db")
+
+    /// The producer's database: `producer.db`, or the test's PostgreSQL database.
+    pub fn producer_db(&self) -> Target {
+        match self.pg.first() {
+            Some(db) => Target::Postgres(db.url().to_owned()),
+            None => Target::Sqlite(self.path("producer.db")),
+        }
     }
-    /// The consumer's database file.
-    pub fn consumer_db(&self) -> PathBuf {
-        self.path("consumer.db")
+
+    /// The consumer's database: `consumer.db`, or the test's PostgreSQL database (the same
+    /// one as the producer's: their schemas differ).
+    pub fn consumer_db(&self) -> Target {
+        match self.pg.first() {
+            Some(db) => Target::Postgres(db.url().to_owned()),
+            None => Target::Sqlite(self.path("consumer.db")),
+        }
+    }
+
+    /// Another, empty database beside the main one: the file `name` on SQLite, a second
+    /// fresh database on PostgreSQL (dropped with the workdir).
+    pub fn other_db(&mut self, name: &str) -> Target {
+        match self.backend {
+            Backend::Sqlite => Target::Sqlite(self.path(name)),
+            Backend::Postgres => {
+                let db = TestDb::create(&format!("{}_{name}", test_label()))
+                    .unwrap_or_else(|| panic!("the PostgreSQL server went away during the test"));
+                let url = db.url().to_owned();
+                self.pg.push(db);
+                Target::Postgres(url)
+            }
+        }
     }
 }
 
@@ -64,6 +123,13 @@ impl Default for Workdir {
     fn default() -> Self {
         Workdir::new()
     }
+}
+
+/// The running test's name (cargo names each test's thread after it), for database names.
+fn test_label() -> String {
+    let thread = std::thread::current();
+    let name = thread.name().unwrap_or("work");
+    name.rsplit("::").next().unwrap_or(name).to_owned()
 }
 
 /// A running server process. Killed (SIGKILL) and reaped on drop.
@@ -264,8 +330,8 @@ pub fn strip_ours(cmd: &mut Command) {
 pub struct Producer {
     /// The server process.
     pub process: ServerProcess,
-    /// Its database file.
-    pub db: PathBuf,
+    /// Its database.
+    pub db: Target,
 }
 
 impl Producer {
@@ -275,13 +341,13 @@ impl Producer {
     }
 
     /// Starts a producer on `db`, logging to `log`, with `env` added to its environment.
-    pub fn start_on(db: PathBuf, log: PathBuf, env: &[(&str, &str)]) -> Producer {
-        let args = vec!["--db".into(), db.display().to_string(), "--listen".into(), "127.0.0.1:0".into()];
+    pub fn start_on(db: Target, log: PathBuf, env: &[(&str, &str)]) -> Producer {
+        let args = server_args(&db, &[]);
         Producer { process: ServerProcess::start("producer", &args, env, log), db }
     }
 
     /// Starts a producer on `db` armed at `point` (it dies when a write reaches it).
-    pub fn start_armed(db: PathBuf, log: PathBuf, point: CrashPoint) -> Producer {
+    pub fn start_armed(db: Target, log: PathBuf, point: CrashPoint) -> Producer {
         Self::start_on(db, log, &[arming(point)])
     }
 
@@ -324,8 +390,8 @@ impl Producer {
 pub struct Consumer {
     /// The server process.
     pub process: ServerProcess,
-    /// Its database file.
-    pub db: PathBuf,
+    /// Its database.
+    pub db: Target,
 }
 
 impl Consumer {
@@ -335,8 +401,8 @@ impl Consumer {
     }
 
     /// Starts a consumer on `db`, logging to `log`, with `env` added to its environment.
-    pub fn start_on(db: PathBuf, log: PathBuf, support_v2: bool, env: &[(&str, &str)]) -> Consumer {
-        let mut args = vec!["--db".into(), db.display().to_string(), "--listen".into(), "127.0.0.1:0".into()];
+    pub fn start_on(db: Target, log: PathBuf, support_v2: bool, env: &[(&str, &str)]) -> Consumer {
+        let mut args = server_args(&db, &[]);
         if support_v2 {
             args.push("--support-v2".into());
         }
@@ -344,7 +410,7 @@ impl Consumer {
     }
 
     /// Starts a consumer on `db` armed at `point` (it dies when a write reaches it).
-    pub fn start_armed(db: PathBuf, log: PathBuf, support_v2: bool, point: CrashPoint) -> Consumer {
+    pub fn start_armed(db: Target, log: PathBuf, support_v2: bool, point: CrashPoint) -> Consumer {
         Self::start_on(db, log, support_v2, &[arming(point)])
     }
 
@@ -460,9 +526,8 @@ pub fn run_to_exit(bin: &str, args: &[&str], env: &[(&str, &str)], deadline: Dur
 }
 
 /// `--db DB --listen 127.0.0.1:0` followed by `extra`.
-pub fn server_args(db: &Path, extra: &[&str]) -> Vec<String> {
-    let mut args =
-        vec!["--db".to_owned(), db.display().to_string(), "--listen".to_owned(), "127.0.0.1:0".to_owned()];
+pub fn server_args(db: &Target, extra: &[&str]) -> Vec<String> {
+    let mut args = vec!["--db".to_owned(), db.arg(), "--listen".to_owned(), "127.0.0.1:0".to_owned()];
     args.extend(extra.iter().map(|a| (*a).to_owned()));
     args
 }
@@ -514,8 +579,8 @@ impl RelayRun {
 }
 
 /// Runs `relay --producer-db DB --consumer URL <args…>` to completion (with a deadline).
-pub fn relay(producer_db: &Path, consumer_url: &str, args: &[&str], env: &[(&str, &str)]) -> RelayRun {
-    let db = producer_db.display().to_string();
+pub fn relay(producer_db: &Target, consumer_url: &str, args: &[&str], env: &[(&str, &str)]) -> RelayRun {
+    let db = producer_db.arg();
     let mut all = vec!["--producer-db", db.as_str(), "--consumer", consumer_url];
     all.extend_from_slice(args);
     let Finished { code, stdout, stderr } = run_to_exit("relay", &all, env, RELAY_DEADLINE);
@@ -530,7 +595,7 @@ pub fn relay(producer_db: &Path, consumer_url: &str, args: &[&str], env: &[(&str
 }
 
 /// [`relay`] armed at `point` (it dies when its write path reaches it).
-pub fn relay_armed(producer_db: &Path, consumer_url: &str, args: &[&str], point: CrashPoint) -> RelayRun {
+pub fn relay_armed(producer_db: &Target, consumer_url: &str, args: &[&str], point: CrashPoint) -> RelayRun {
     relay(producer_db, consumer_url, args, &[arming(point)])
 }
 
@@ -542,5 +607,47 @@ pub fn signal(pid: u32, sig: libc::c_int) {
     // SAFETY: kill(2) takes plain integers and touches no memory of ours.
     unsafe {
         libc::kill(pid as libc::pid_t, sig);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn database_exists(name: &str) -> bool {
+        let admin = std::env::var(proto::pg::testing::URL_ENV)
+            .unwrap_or_else(|_| proto::pg::testing::DEFAULT_URL.to_owned());
+        let session = crate::db::PgSession::connect(&admin, true).expect("admin connection");
+        let name = name.to_owned();
+        session
+            .run(move |c| c.query_one("SELECT count(*) FROM pg_database WHERE datname = $1", &[&name]))
+            .expect("thread")
+            .map(|r| r.get::<_, i64>(0) == 1)
+            .expect("pg_database")
+    }
+
+    /// A workdir's databases follow the backend: two files on SQLite; on PostgreSQL one fresh
+    /// database shared by both stores (plus any `other_db`), all dropped with the workdir.
+    #[test]
+    fn a_workdir_makes_and_drops_its_databases() {
+        let Some(mut work) = Workdir::for_test() else { return };
+        assert_eq!(work.backend(), Backend::current());
+        let other = work.other_db("second.db");
+        match work.backend() {
+            Backend::Sqlite => {
+                assert_eq!(work.producer_db(), Target::Sqlite(work.path("producer.db")));
+                assert_eq!(work.consumer_db(), Target::Sqlite(work.path("consumer.db")));
+                assert_eq!(other, Target::Sqlite(work.path("second.db")));
+            }
+            Backend::Postgres => {
+                assert_eq!(work.producer_db(), work.consumer_db());
+                assert_ne!(work.producer_db(), other);
+                let names: Vec<String> = work.pg.iter().map(|db| db.name().to_owned()).collect();
+                assert!(names[0].contains("a_workdir_makes_and_drops"), "named after the test: {names:?}");
+                assert!(names.iter().all(|n| database_exists(n)));
+                drop(work);
+                assert!(names.iter().all(|n| !database_exists(n)), "dropped with the workdir: {names:?}");
+            }
+        }
     }
 }

@@ -1,16 +1,18 @@
-//! The named scenarios of SPEC §10 against freshly started processes and temp files. Each
+//! The named scenarios of SPEC §10 against freshly started processes and fresh databases
+//! (temp files, or a PostgreSQL database per scenario). Each
 //! observes and returns what it saw (outcomes, stops, states, seqs, flags, records, exit
 //! codes) as JSON with nothing that varies between runs; the suite judges those values and
 //! the experiment runner freezes them.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 use std::process::Command;
 
 use proto::crash::CrashPoint;
 use proto::pb;
 use serde_json::{Value, json};
 
+use crate::backend::Target;
+use crate::db::{Store, Trigger};
 use crate::proc::{START_DEADLINE, bin_path, relay_armed};
 use crate::race::race;
 use crate::{Consumer, Producer, Workdir, advance, db, envelope, reference_envelopes, relay};
@@ -77,7 +79,7 @@ fn short(name: &str, prefix: &str) -> String {
 }
 
 /// The producer's records: flows and outbox rows with their accepted flags.
-pub fn producer_view(path: &Path) -> Value {
+pub fn producer_view(path: &Target) -> Value {
     json!({
         "flows": db::flows(path),
         "outbox": db::outbox(path).iter().map(|r| json!({"event_id": r.event_id, "seq": r.seq, "accepted": r.accepted})).collect::<Vec<_>>(),
@@ -85,7 +87,7 @@ pub fn producer_view(path: &Path) -> Value {
 }
 
 /// The consumer's records: projections, inbox states and reasons, effects in order.
-pub fn consumer_view(path: &Path) -> Value {
+pub fn consumer_view(path: &Target) -> Value {
     json!({
         "projection": db::projections(path),
         "inbox": db::inbox(path).iter().map(|r| json!({"event_id": r.event_id, "seq": r.seq, "state": r.state, "reason": r.reason})).collect::<Vec<_>>(),
@@ -155,7 +157,7 @@ async fn unsafe_dual_write() -> Value {
     let mut producer = Producer::start(&work, &[]);
     producer.process.terminate(START_DEADLINE);
     let status = Command::new(bin_path("unsafe_dual_write"))
-        .arg(work.producer_db())
+        .arg(work.producer_db().arg())
         .arg("A")
         .output()
         .expect("run the unsafe dual write control");
@@ -493,23 +495,32 @@ async fn apply_crash_points() -> Value {
     json!(points)
 }
 
-fn exec_sql(path: &Path, sql: &str) {
-    let conn = rusqlite::Connection::open(path).expect("open for trigger");
-    conn.busy_timeout(std::time::Duration::from_secs(10)).expect("busy timeout");
-    conn.execute_batch(sql).expect("trigger DDL");
-}
+/// The test trigger of `outbox_trigger`: every outbox insert fails.
+const REJECT_OUTBOX: Trigger = Trigger {
+    name: "reject_outbox",
+    store: Store::Producer,
+    table: "outbox",
+    when: None,
+    message: "outbox insert rejected by test trigger",
+};
+
+/// The test trigger of `effect_trigger`: every effect insert fails.
+const REJECT_EFFECT: Trigger = Trigger {
+    name: "reject_effect",
+    store: Store::Consumer,
+    table: "effect",
+    when: None,
+    message: "effect insert rejected by test trigger",
+};
 
 async fn outbox_trigger() -> Value {
     let work = Workdir::new();
     let producer = Producer::start(&work, &[]);
-    exec_sql(
-        &producer.db,
-        "CREATE TRIGGER reject_outbox BEFORE INSERT ON outbox BEGIN SELECT RAISE(ABORT, 'outbox insert rejected by test trigger'); END;",
-    );
+    REJECT_OUTBOX.install(&producer.db);
     let call = producer.client().await.advance(advance("A", "A1", 0, "reserved", 1)).await;
     let error = call.as_ref().err().map(|s| json!({"code": format!("{:?}", s.code()), "mentions_trigger": s.message().contains("outbox insert rejected")}));
     let with_trigger = producer_view(&producer.db);
-    exec_sql(&producer.db, "DROP TRIGGER reject_outbox;");
+    REJECT_OUTBOX.remove(&producer.db);
     let retry = producer.advance(advance("A", "A1", 0, "reserved", 1)).await;
     json!({"error": error, "with_trigger": with_trigger, "retry_without_trigger": advance_word(&retry), "producer": producer_view(&producer.db)})
 }
@@ -518,14 +529,11 @@ async fn effect_trigger() -> Value {
     let work = Workdir::new();
     let consumer = Consumer::start(&work, false, &[]);
     let received = receive_words(&consumer.receive(vec![reference_envelopes("A")[0].clone()]).await);
-    exec_sql(
-        &consumer.db,
-        "CREATE TRIGGER reject_effect BEFORE INSERT ON effect BEGIN SELECT RAISE(ABORT, 'effect insert rejected by test trigger'); END;",
-    );
+    REJECT_EFFECT.install(&consumer.db);
     let call = consumer.client().await.apply(pb::ApplyRequest { flow_id: "A".into(), max_steps: 0 }).await;
     let error = call.as_ref().err().map(|s| json!({"code": format!("{:?}", s.code()), "mentions_trigger": s.message().contains("effect insert rejected")}));
     let with_trigger = consumer_view(&consumer.db);
-    exec_sql(&consumer.db, "DROP TRIGGER reject_effect;");
+    REJECT_EFFECT.remove(&consumer.db);
     let applied = consumer.apply("A").await;
     json!({"receive": received, "error": error, "with_trigger": with_trigger, "apply_without_trigger": apply_view(&applied), "consumer": consumer_view(&consumer.db)})
 }

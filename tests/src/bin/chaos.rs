@@ -1,5 +1,6 @@
 //! `chaos`: the chaos run over the real binaries. Starts producer, consumer and
-//! two `relay run`s on fresh files, loads them with concurrent Advance clients, SIGKILLs and
+//! two `relay run`s on fresh databases (files, or with `--backend postgres` a fresh database on
+//! the server named by `ORDERED_EVENTS_TEST_PG_URL`, dropped afterwards), loads them with concurrent Advance clients, SIGKILLs and
 //! restarts them on a seeded schedule, then checks invariants I1–I7 and the coverage floors.
 //! Exits 0 only when every invariant held and every floor was reached. Build the binaries
 //! first: `cargo build --release --bins`.
@@ -8,7 +9,10 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
+use harness::Backend;
 use harness::chaos::{ChaosConfig, run};
+use harness::checker::Files;
+use proto::pg::testing::TestDb;
 
 /// Kills the services at random under load and checks that nothing was lost or doubled.
 #[derive(Debug, Parser)]
@@ -35,6 +39,11 @@ struct Args {
     /// Also write the full report (every kill included) as JSON to this file.
     #[arg(long, value_name = "FILE")]
     report: Option<PathBuf>,
+    /// `sqlite` or `postgres` (default: `ORDERED_EVENTS_TEST_BACKEND`, else sqlite). An
+    /// unreachable PostgreSQL server is skipped with one SKIPPED line (exit 0), or fails the
+    /// run when `ORDERED_EVENTS_REQUIRE_PG=1`.
+    #[arg(long, value_name = "BACKEND")]
+    backend: Option<Backend>,
 }
 
 fn main() -> ExitCode {
@@ -72,8 +81,32 @@ fn main() -> ExitCode {
             }
         },
     };
-    println!("chaos: working in {}", dir.display());
-    let report = run(&cfg, &dir);
+    if let Some(backend) = args.backend {
+        if let Err(e) = harness::backend::select(backend) {
+            eprintln!("chaos: error: {e}");
+            return ExitCode::from(2);
+        }
+    }
+    // Dropped (the database with it) after the run.
+    let mut _pg: Option<TestDb> = None;
+    let files = match Backend::current() {
+        Backend::Sqlite => {
+            Files { producer_db: dir.join("producer.db").into(), consumer_db: dir.join("consumer.db").into() }
+        }
+        Backend::Postgres => {
+            // Skipped loudly (the SKIPPED line) when no server answers, like every PostgreSQL
+            // test; TestDb::create fails instead when ORDERED_EVENTS_REQUIRE_PG=1.
+            let Some(db) = TestDb::create("chaos") else {
+                eprintln!("chaos: nothing run: PostgreSQL is unreachable");
+                return ExitCode::SUCCESS;
+            };
+            let target = harness::Target::Postgres(db.url().to_owned());
+            _pg = Some(db);
+            Files { producer_db: target.clone(), consumer_db: target }
+        }
+    };
+    println!("chaos: working in {} on {} ({})", dir.display(), Backend::current(), files.producer_db);
+    let report = run(&cfg, &dir, files);
     println!("{}", report.summary());
     if let Some(path) = &args.report {
         match serde_json::to_string_pretty(&report) {

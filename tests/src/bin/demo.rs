@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use harness::{Consumer, Producer, RelayRun, advance, db, relay};
+use harness::{Consumer, Producer, RelayRun, Target, advance, db, relay};
 use proto::pb;
 
 #[tokio::main]
@@ -78,8 +78,9 @@ fn fresh_dir() -> anyhow::Result<PathBuf> {
 
 async fn run() -> anyhow::Result<()> {
     let dir = fresh_dir()?;
-    let producer_db = dir.join("producer.db");
-    let consumer_db = dir.join("consumer.db");
+    // The demo shows the embedded default: two SQLite files it leaves behind to look at.
+    let producer_db: Target = dir.join("producer.db").into();
+    let consumer_db: Target = dir.join("consumer.db").into();
     say("ordered-events demo: every flow's steps applied exactly once and in order.\n");
     let producer = Producer::start_on(producer_db.clone(), dir.join("producer.log"), &[]);
     let mut consumer = Consumer::start_on(consumer_db.clone(), dir.join("consumer.log"), false, &[]);

@@ -1,5 +1,7 @@
 //! `experiment`: runs the named scenarios of SPEC §10 against freshly started processes and
-//! temp files, and writes their observations as JSON. `--check` compares a fresh run with
+//! fresh databases (temp files, or with `--backend postgres` a fresh PostgreSQL database per
+//! scenario on the server named by `ORDERED_EVENTS_TEST_PG_URL`), and writes their
+//! observations as JSON. Both backends must match the same results file. `--check` compares a fresh run with
 //! the committed `tests/results.json` and fails, printing the differences; `--write`
 //! rewrites that file (the only way it changes). Build the binaries first:
 //! `cargo build --release --bins`.
@@ -8,6 +10,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
+use harness::Backend;
 use serde_json::{Map, Value};
 
 /// Runs the reference scenarios against the real producer, consumer and relay binaries.
@@ -27,6 +30,11 @@ struct Args {
     /// Run only these scenarios (repeatable); `--check` then compares only them.
     #[arg(long = "only", value_name = "NAME")]
     only: Vec<String>,
+    /// `sqlite` or `postgres` (default: `ORDERED_EVENTS_TEST_BACKEND`, else sqlite). An
+    /// unreachable PostgreSQL server is skipped with one SKIPPED line (exit 0), or fails the
+    /// run when `ORDERED_EVENTS_REQUIRE_PG=1`.
+    #[arg(long, value_name = "BACKEND")]
+    backend: Option<Backend>,
 }
 
 fn results_path() -> PathBuf {
@@ -50,6 +58,20 @@ async fn main() -> ExitCode {
         .copied()
         .filter(|n| args.only.is_empty() || args.only.iter().any(|o| o == n))
         .collect();
+    if let Some(backend) = args.backend {
+        if let Err(e) = harness::backend::select(backend) {
+            eprintln!("experiment: error: {e}");
+            return ExitCode::from(2);
+        }
+    }
+    let backend = Backend::current();
+    // Like every PostgreSQL test: skipped loudly (the SKIPPED line) when no server answers,
+    // a failure when ORDERED_EVENTS_REQUIRE_PG=1.
+    if !harness::backend::ready() {
+        eprintln!("experiment: nothing run: the {backend} backend is unreachable");
+        return ExitCode::SUCCESS;
+    }
+    eprintln!("experiment: backend {backend}");
     let mut scenarios = Map::new();
     for name in &selected {
         eprintln!("experiment: running {name}");
@@ -58,7 +80,7 @@ async fn main() -> ExitCode {
     let fresh = Value::Object(Map::from_iter([("scenarios".to_owned(), Value::Object(scenarios))]));
     let text = serde_json::to_string_pretty(&fresh).expect("JSON values always serialize") + "\n";
     if args.check {
-        return check(&fresh, &selected);
+        return check(&fresh, &selected, backend);
     }
     let target = if args.write { Some(results_path()) } else { args.output };
     match target {
@@ -74,7 +96,7 @@ async fn main() -> ExitCode {
     ExitCode::SUCCESS
 }
 
-fn check(fresh: &Value, selected: &[&str]) -> ExitCode {
+fn check(fresh: &Value, selected: &[&str], backend: Backend) -> ExitCode {
     let path = results_path();
     let frozen: Value = match std::fs::read_to_string(&path).map(|t| serde_json::from_str(&t)) {
         Ok(Ok(v)) => v,
@@ -107,10 +129,10 @@ fn check(fresh: &Value, selected: &[&str]) -> ExitCode {
         }
     }
     if differences.is_empty() {
-        println!("experiment --check: {} scenarios match {}", selected.len(), path.display());
+        println!("experiment --check: {} scenarios match {} on {backend}", selected.len(), path.display());
         return ExitCode::SUCCESS;
     }
-    println!("experiment --check: {} difference(s) from {}:", differences.len(), path.display());
+    println!("experiment --check: {} difference(s) from {} on {backend}:", differences.len(), path.display());
     for d in differences.iter().take(200) {
         println!("  {d}");
     }

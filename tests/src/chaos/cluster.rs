@@ -39,7 +39,7 @@ pub struct ProcessOptions {
 /// The running processes and where their logs go.
 pub struct Cluster {
     dir: PathBuf,
-    /// The two database files.
+    /// The two databases.
     pub files: Files,
     opts: ProcessOptions,
     producer: Option<ServerProcess>,
@@ -68,9 +68,9 @@ fn slot(v: Victim) -> usize {
 }
 
 impl Cluster {
-    /// Starts the producer (which creates producer.db), the consumer, then both relays.
-    pub fn start(dir: &Path, opts: ProcessOptions) -> Result<Cluster, String> {
-        let files = Files { producer_db: dir.join("producer.db"), consumer_db: dir.join("consumer.db") };
+    /// Starts the producer (which creates its store in `files`), the consumer, then both
+    /// relays; logs go to `dir`.
+    pub fn start(dir: &Path, files: Files, opts: ProcessOptions) -> Result<Cluster, String> {
         let mut cluster = Cluster {
             dir: dir.to_owned(),
             files,
@@ -122,7 +122,7 @@ impl Cluster {
             Victim::Producer => {
                 let args = vec![
                     "--db".into(),
-                    self.files.producer_db.display().to_string(),
+                    self.files.producer_db.arg(),
                     "--listen".into(),
                     "127.0.0.1:0".into(),
                 ];
@@ -171,7 +171,7 @@ impl Cluster {
     fn start_consumer(&self, listen: &str, generation: u64, suffix: &str) -> Result<ServerProcess, String> {
         let mut args = vec![
             "--db".into(),
-            self.files.consumer_db.display().to_string(),
+            self.files.consumer_db.arg(),
             "--listen".into(),
             listen.to_owned(),
             "--support-v2".into(),

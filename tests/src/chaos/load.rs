@@ -12,11 +12,12 @@ use std::time::{Duration, Instant};
 use proto::pb;
 use proto::pb::consumer_client::ConsumerClient;
 use proto::pb::producer_client::ProducerClient;
-use rusqlite::Connection;
 use tokio::sync::{Notify, watch};
 use tonic::transport::Channel;
 
+use crate::backend::Target;
 use crate::checker::{AdvanceRecord, Answer, ForgedRecord, History, Intent};
+use crate::db::Session;
 use crate::rng::Rng;
 use crate::{canon, db};
 
@@ -381,10 +382,7 @@ type Row = (String, String, u64, String, u32, serde_json::Value);
 
 /// Reads bodies from the file at `path` with `read` and parses them (none when the file is
 /// busy or unreadable: injection is best effort).
-fn read_rows(
-    path: &std::path::Path,
-    read: impl FnOnce(&rusqlite::Connection) -> Result<Vec<String>, String>,
-) -> Vec<Row> {
+fn read_rows(path: &Target, read: impl FnOnce(&Session) -> Result<Vec<String>, String>) -> Vec<Row> {
     let bodies = db::try_open_ro(path).and_then(|conn| read(&conn)).unwrap_or_default();
     bodies.iter().filter_map(|b| canon::parse_body(b)).collect()
 }
@@ -535,12 +533,12 @@ fn forged_record(row: &Row, event_id: &str, payload: &serde_json::Value) -> Forg
 /// Reads the consumer's progress (effect rows, highest inbox rowid) from consumer.db every
 /// few milliseconds and wakes whoever waits on it, until `stop_all`. Blocking: run it on
 /// its own thread.
-pub fn monitor(consumer_db: &std::path::Path, progress: &Progress) {
+pub fn monitor(consumer_db: &Target, progress: &Progress) {
     let open = || db::try_open_ro(consumer_db);
-    let read = |conn: &Connection| -> Result<(u64, u64), String> {
+    let read = |conn: &Session| -> Result<(u64, u64), String> {
         Ok((db::count_effects(conn)?, db::inbox_high_water(conn)?))
     };
-    let mut conn: Option<Connection> = None;
+    let mut conn: Option<Session> = None;
     while !progress.stop_all.load(Ordering::SeqCst) {
         if conn.is_none() {
             conn = open().ok();

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::background::poll;
-use crate::checker::{self, Drain, Observed, Verdict};
+use crate::checker::{self, Drain, Files, Observed, Verdict};
 use crate::db;
 use cluster::{Cluster, ProcessOptions};
 use load::{LoadOptions, Progress};
@@ -321,8 +321,9 @@ fn failed_early(cfg: &ChaosConfig, progress: &Progress, started: Instant, why: S
     report(cfg, progress, None, Vec::new(), started, 0.0, None, Verdict::default(), Observed::default())
 }
 
-/// Runs the chaos test in `dir` (which receives the files and every process's log).
-pub fn run(cfg: &ChaosConfig, dir: &Path) -> ChaosReport {
+/// Runs the chaos test on the databases `files` (fresh ones), with every process's log and
+/// the history in `dir`.
+pub fn run(cfg: &ChaosConfig, dir: &Path, files: Files) -> ChaosReport {
     let started = Instant::now();
     let progress = Arc::new(Progress::default());
     let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
@@ -334,7 +335,7 @@ pub fn run(cfg: &ChaosConfig, dir: &Path) -> ChaosReport {
         relay_args: cfg.relay_args.clone(),
         start_deadline: cfg.hang,
     };
-    let mut cluster = match Cluster::start(dir, opts) {
+    let mut cluster = match Cluster::start(dir, files, opts) {
         Ok(c) => c,
         Err(e) => return failed_early(cfg, &progress, started, format!("start-up: {e}")),
     };

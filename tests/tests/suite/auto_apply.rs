@@ -3,13 +3,12 @@
 //! a gap or a block stays stuck (and reported) without holding other flows back; a restart
 //! applies what an earlier run left accepted but unapplied. Also the batch-cap flags.
 
-use std::path::Path;
 use std::time::Duration;
 
 use harness::background::{RelayDaemon, wait_for};
 use harness::db;
 use harness::proc::ServerProcess;
-use harness::{Consumer, Producer, Workdir, advance, envelope, reference_envelopes, run_to_exit};
+use harness::{Consumer, Producer, Target, Workdir, advance, envelope, reference_envelopes, run_to_exit};
 use proto::crash::CrashPoint;
 use proto::pb::{AdvanceOutcome, ApplyStop, BlockReason, ReceiveOutcome};
 
@@ -20,7 +19,7 @@ const DEADLINE: Duration = Duration::from_secs(30);
 /// Starts `consumer --auto-apply` on the work dir's consumer.db, with extra flags and env.
 fn auto_consumer(work: &Workdir, log: &str, extra: &[&str], env: &[(&str, &str)]) -> Consumer {
     let db = work.consumer_db();
-    let mut args = vec!["--db".to_owned(), db.display().to_string(), "--listen".into(), "127.0.0.1:0".into()];
+    let mut args = vec!["--db".to_owned(), db.arg(), "--listen".into(), "127.0.0.1:0".into()];
     args.extend(["--auto-apply"].iter().chain(extra).map(|s| (*s).to_owned()));
     let process = ServerProcess::start("consumer", &args, env, work.path(log));
     assert!(process.log_text().contains("auto_apply=true"), "{}", process.log_text());
@@ -28,7 +27,7 @@ fn auto_consumer(work: &Workdir, log: &str, extra: &[&str], env: &[(&str, &str)]
 }
 
 /// Waits until `flow` has `n` effects, reporting the inbox if it never happens.
-fn wait_for_effects(db_path: &Path, flow: &str, n: usize) {
+fn wait_for_effects(db_path: &Target, flow: &str, n: usize) {
     wait_for(
         DEADLINE,
         || (db::effects(db_path).iter().filter(|e| e.flow_id == flow).count() >= n).then_some(()),
@@ -36,7 +35,7 @@ fn wait_for_effects(db_path: &Path, flow: &str, n: usize) {
     );
 }
 
-fn inbox_of(db_path: &Path, flow: &str) -> Vec<(u64, String, Option<String>)> {
+fn inbox_of(db_path: &Target, flow: &str) -> Vec<(u64, String, Option<String>)> {
     db::inbox(db_path).into_iter().filter(|r| r.flow_id == flow).map(|r| (r.seq, r.state, r.reason)).collect()
 }
 
@@ -44,7 +43,7 @@ fn inbox_of(db_path: &Path, flow: &str) -> Vec<(u64, String, Option<String>)> {
 /// order, with no Apply call, and the outbox rows end accepted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_run_and_auto_apply_deliver_and_apply_without_an_apply_call() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let producer = Producer::start(&work, &[]);
     let consumer = auto_consumer(&work, "consumer.log", &[], &[]);
     let daemon = RelayDaemon::start(
@@ -85,7 +84,7 @@ async fn relay_run_and_auto_apply_deliver_and_apply_without_an_apply_call() {
 // Multi-threaded so client connections keep running while `terminate` waits for the exit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stuck_flow_stays_stuck_without_holding_others_back() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let mut consumer = auto_consumer(&work, "consumer.log", &[], &[]);
     let gap = reference_envelopes("G")[1..].to_vec();
     let blocked = vec![
@@ -162,7 +161,7 @@ async fn a_stuck_flow_stays_stuck_without_holding_others_back() {
 /// DUPLICATE that applies nothing twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_before_auto_apply_is_recovered_at_start_up() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let point = CrashPoint::ConsumerReceiveAfterCommit;
     let mut crashing = auto_consumer(&work, "crash.log", &[], &[(proto::crash::ENV, point.name())]);
     let a1 = reference_envelopes("A")[0].clone();
@@ -185,9 +184,9 @@ async fn a_crash_before_auto_apply_is_recovered_at_start_up() {
 /// Every batch cap is a flag with an environment twin; a cap of 0 is refused at start-up.
 #[test]
 fn batch_cap_flags_and_their_environment_twins() {
-    let work = Workdir::new();
-    let db = work.consumer_db().display().to_string();
-    let pdb = work.producer_db().display().to_string();
+    let Some(work) = Workdir::for_test() else { return };
+    let db = work.consumer_db().arg();
+    let pdb = work.producer_db().arg();
     let cases: [(&str, Vec<&str>, &str); 4] = [
         ("consumer", vec!["--db", &db, "--max-batch", "0"], "--max-batch"),
         ("consumer", vec!["--db", &db, "--apply-batch", "0"], "--apply-batch"),

@@ -13,7 +13,7 @@ fn words(results: &[pb::ReceiveResult]) -> Vec<ReceiveOutcome> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_consumer_backlog_refuses_new_work_but_admits_the_awaited_seq() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let consumer = Consumer::start_with(&work, &["--max-pending", "3"]);
     let a = reference_envelopes("A");
     assert_eq!(words(&consumer.receive(vec![a[0].clone()]).await), [ReceiveOutcome::Accepted]);
@@ -43,7 +43,7 @@ async fn a_full_consumer_backlog_refuses_new_work_but_admits_the_awaited_seq() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_relay_redelivers_after_backlog_full_until_everything_is_applied_once() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let producer = Producer::start(&work, &[]);
     let consumer = Consumer::start_with(&work, &["--max-pending", "5", "--auto-apply"]);
     for i in 0..20 {
@@ -73,7 +73,7 @@ async fn the_relay_redelivers_after_backlog_full_until_everything_is_applied_onc
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_outbox_refuses_advance_with_resource_exhausted() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let producer = Producer::start_with(&work, &["--max-unaccepted", "2"]);
     let consumer = Consumer::start(&work, false, &[]);
     let mut client = producer.client().await;

@@ -9,8 +9,9 @@ use harness::chaos::{self, ChaosConfig, schedule};
 fn a_small_chaos_run_passes_and_follows_its_schedule() {
     let seed = harness::rng::seed_from_clock();
     let cfg = ChaosConfig::profile("smoke", seed).expect("the smoke profile exists");
-    let work = harness::Workdir::new();
-    let report = chaos::run(&cfg, work.dir.path());
+    let Some(work) = harness::Workdir::for_test() else { return };
+    let files = harness::checker::Files { producer_db: work.producer_db(), consumer_db: work.consumer_db() };
+    let report = chaos::run(&cfg, work.dir.path(), files);
     assert!(report.passed(), "chaos smoke run failed (seed {seed}):\n{}", report.summary());
     let planned: Vec<(u64, schedule::Victim)> = schedule::block(seed, 0, &cfg.quota)
         .into_iter()

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use harness::db;
-use harness::{Consumer, Workdir, envelope, reference_envelopes, run_to_exit};
+use harness::{Consumer, Target, Workdir, envelope, reference_envelopes, run_to_exit};
 use proto::pb::{self, ApplyStop, BlockReason, ReceiveOutcome};
 
 pub(crate) fn outcomes(results: &[pb::ReceiveResult]) -> Vec<ReceiveOutcome> {
@@ -42,7 +42,7 @@ async fn accept(consumer: &Consumer, envelopes: Vec<pb::EventEnvelope>) {
 /// Arrival 3, then 1, then 2, applying after each: GAP at 1, GAP at 2, then all three.
 #[tokio::test]
 async fn out_of_order_3_1_2() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let consumer = Consumer::start(&work, false, &[]);
     let [a1, a2, a3] = <[_; 3]>::try_from(reference_envelopes("A")).expect("three");
 
@@ -86,7 +86,7 @@ async fn out_of_order_3_1_2() {
 /// Receiving stores; only Apply applies.
 #[tokio::test]
 async fn accepted_is_not_applied() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let consumer = Consumer::start(&work, false, &[]);
     accept(&consumer, reference_envelopes("A")).await;
     let inbox = db::inbox(&consumer.db);
@@ -113,7 +113,7 @@ fn v2_flow(flow: &str) -> Vec<pb::EventEnvelope> {
 /// restarted with it applies the same rows, ids, seqs and bodies untouched.
 #[tokio::test]
 async fn schema_v2_blocks_then_unblocks_after_restart_with_v2() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let mut consumer = Consumer::start(&work, false, &[]);
     assert!(
         consumer.process.log_text().contains("v2_decoder=\"disabled\""),
@@ -165,7 +165,7 @@ async fn schema_v2_blocks_then_unblocks_after_restart_with_v2() {
 #[tokio::test]
 async fn support_v2_environment_twin() {
     for (value, enabled) in [("1", true), ("true", true), ("0", false), ("false", false)] {
-        let work = Workdir::new();
+        let Some(work) = Workdir::for_test() else { return };
         let consumer = Consumer::start(&work, false, &[("ORDERED_EVENTS_SUPPORT_V2", value)]);
         accept(&consumer, v2_flow("A")).await;
         let r = consumer.apply("A").await;
@@ -177,7 +177,7 @@ async fn support_v2_environment_twin() {
 /// A gap in flow A never stops flow B.
 #[tokio::test]
 async fn flow_isolation_with_apply_all() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let consumer = Consumer::start(&work, false, &[]);
     let a = reference_envelopes("A");
     accept(&consumer, vec![a[0].clone(), a[2].clone()]).await;
@@ -207,7 +207,7 @@ async fn flow_isolation_with_apply_all() {
 /// duplicate because the canonical body is what is compared.
 #[tokio::test]
 async fn conflicts_and_duplicates() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let consumer = Consumer::start(&work, false, &[]);
     let original = envelope("A", 1, "reserved", 1, r#"{"amount":3,"note":"x"}"#);
     let answers = consumer
@@ -259,7 +259,7 @@ fn permutations() -> Vec<[usize; 3]> {
 /// prefix, and every flow ends with the same projection and effect sequence.
 #[tokio::test]
 async fn permutations_with_duplicates_converge() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let consumer = Consumer::start(&work, false, &[]);
     for (i, perm) in permutations().into_iter().enumerate() {
         let flow = format!("P{i}");
@@ -299,7 +299,7 @@ async fn permutations_with_duplicates_converge() {
 /// goes on and nothing is stored for them.
 #[tokio::test]
 async fn rejected_envelopes_name_the_field_and_the_stream_goes_on() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let consumer = Consumer::start(&work, false, &[]);
     let ok = |seq: u64| envelope("R", seq, "reserved", 1, r#"{"amount":3}"#);
     let cases = [
@@ -330,7 +330,7 @@ async fn rejected_envelopes_name_the_field_and_the_stream_goes_on() {
 /// payloads, and changed amounts) with the reason, and keeps re-evaluating.
 #[tokio::test]
 async fn apply_blocks_with_each_reason() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let consumer = Consumer::start(&work, false, &[]);
     accept(
         &consumer,
@@ -374,7 +374,7 @@ async fn apply_blocks_with_each_reason() {
 /// operator's ListStuck names each waiting flow's reason and counts.
 #[tokio::test]
 async fn limits_and_list_stuck() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let consumer = Consumer::start(&work, false, &[]);
     let mut client = consumer.client().await;
     for (field, status) in [
@@ -449,24 +449,36 @@ fn binary_flags_and_startup_errors() {
         assert!(help.stdout.contains(needle), "{needle} missing from --help");
     }
 
-    let work = Workdir::new();
-    let producer_id = proto::db::PRODUCER_APPLICATION_ID;
-    db::execute(
-        &work.path("other.db"),
-        &format!("PRAGMA application_id = {producer_id}; CREATE TABLE t(x);"),
-    );
-    let other = work.path("other.db").display().to_string();
+    let Some(mut work) = Workdir::for_test() else { return };
+    // A database that says it belongs to a producer.
+    let other = work.other_db("other.db");
+    let (setup, says) = match &other {
+        Target::Sqlite(_) => (
+            format!("PRAGMA application_id = {}; CREATE TABLE t(x);", proto::db::PRODUCER_APPLICATION_ID),
+            "not a consumer database (it is a producer database)",
+        ),
+        Target::Postgres(_) => (
+            "CREATE SCHEMA ordered_events_consumer;
+             CREATE TABLE ordered_events_consumer.meta(id INTEGER PRIMARY KEY, kind TEXT NOT NULL,
+                 schema_version INTEGER NOT NULL, database_id TEXT NOT NULL, created_at_us BIGINT NOT NULL);
+             INSERT INTO ordered_events_consumer.meta VALUES (1, 'producer', 1, 'x', 0);"
+                .to_owned(),
+            "is not a consumer schema (it says it is a producer schema)",
+        ),
+    };
+    db::execute(&other, &setup);
+    let other = other.arg();
     let refused = run_to_exit("consumer", &["--db", &other, "--listen", "127.0.0.1:0"], &[], deadline);
     assert_eq!(refused.code, Some(1), "{refused:?}");
     assert!(refused.stdout.is_empty(), "{refused:?}");
     let lines: Vec<&str> = refused.stderr.lines().filter(|l| l.starts_with("consumer: error:")).collect();
     assert_eq!(lines.len(), 1, "{}", refused.stderr);
-    assert!(lines[0].contains("not a consumer database (it is a producer database)"), "{}", lines[0]);
+    assert!(lines[0].contains(says), "{}", lines[0]);
     assert!(!refused.stderr.contains("panicked"), "{}", refused.stderr);
 
     let armed = run_to_exit(
         "consumer",
-        &["--db", &work.consumer_db().display().to_string(), "--listen", "127.0.0.1:0"],
+        &["--db", &work.consumer_db().arg(), "--listen", "127.0.0.1:0"],
         &[("ORDERED_EVENTS_CRASH_AT", "consumer.nowhere")],
         deadline,
     );
@@ -482,7 +494,7 @@ async fn health_and_clean_shutdown_with_an_open_stream() {
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
 
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let mut consumer = Consumer::start(&work, false, &[]);
     let mut health = HealthClient::new(harness::proc::connect(&consumer.process.url()).await);
     let status = health

@@ -63,7 +63,7 @@ async fn receive_crash_points() {
     for (point, committed) in
         [(CrashPoint::ConsumerReceiveAfterInsert, false), (CrashPoint::ConsumerReceiveAfterCommit, true)]
     {
-        let work = Workdir::new();
+        let Some(work) = Workdir::for_test() else { return };
         let mut crashing = start_armed(&work, point, "crash.log");
         receive_into_crash(&crashing, vec![a1()]).await;
         assert_died_at(&mut crashing, point);
@@ -90,7 +90,7 @@ async fn apply_crash_points() {
         (CrashPoint::ConsumerApplyAfterEffect, false),
         (CrashPoint::ConsumerApplyAfterCommit, true),
     ] {
-        let work = Workdir::new();
+        let Some(work) = Workdir::for_test() else { return };
         let mut crashing = start_armed(&work, point, "crash.log");
         // Receiving writes, but not on the apply path: the process survives it.
         assert_eq!(outcomes(&crashing.receive(vec![a1()]).await), [ReceiveOutcome::Accepted], "{point}");
@@ -124,7 +124,7 @@ async fn apply_crash_points() {
 // Multi-threaded so client connections keep running while `terminate` waits for the exit.
 #[tokio::test(flavor = "multi_thread")]
 async fn answers_without_a_write_do_not_fire_crash_points() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let mut first = Consumer::start(&work, false, &[]);
     assert_eq!(outcomes(&first.receive(vec![a1()]).await), [ReceiveOutcome::Accepted]);
     first.process.terminate(Duration::from_secs(30));
@@ -157,24 +157,29 @@ async fn answers_without_a_write_do_not_fire_crash_points() {
     assert_eq!(armed.get_flow("B").await.inbox[0].state, "blocked");
 }
 
+/// A test trigger failing every effect insert of flow A.
+const REJECT_EFFECT_OF_A: db::Trigger = db::Trigger {
+    name: "reject_effect",
+    store: db::Store::Consumer,
+    table: "effect",
+    when: Some("NEW.flow_id = 'A'"),
+    message: "effect insert rejected by the test trigger",
+};
+
 /// A trigger that rejects the effect insert: Apply answers an error status, and projection,
 /// effect and inbox mark all roll back; other flows in ApplyAll go on. Without the trigger
 /// the same rows apply.
 // Multi-threaded so client connections keep running while `terminate` waits for the exit.
 #[tokio::test(flavor = "multi_thread")]
 async fn effect_trigger_rolls_the_whole_step_back() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let mut consumer = Consumer::start(&work, false, &[]);
     assert_eq!(
         outcomes(&consumer.receive(vec![a1(), reference_envelopes("B")[0].clone()]).await),
         [ReceiveOutcome::Accepted, ReceiveOutcome::Accepted]
     );
     consumer.process.terminate(Duration::from_secs(30));
-    db::execute(
-        &work.consumer_db(),
-        "CREATE TRIGGER reject_effect BEFORE INSERT ON effect WHEN NEW.flow_id = 'A'
-         BEGIN SELECT RAISE(ABORT, 'effect insert rejected by the test trigger'); END;",
-    );
+    REJECT_EFFECT_OF_A.install(&work.consumer_db());
 
     let mut consumer = Consumer::start_on(work.consumer_db(), work.path("trigger.log"), false, &[]);
     let mut client = consumer.client().await;
@@ -201,7 +206,7 @@ async fn effect_trigger_rolls_the_whole_step_back() {
     assert_eq!(projection_rows(&consumer), [("B".into(), 1, "reserved".into(), 3)]);
 
     consumer.process.terminate(Duration::from_secs(30));
-    db::execute(&work.consumer_db(), "DROP TRIGGER reject_effect;");
+    REJECT_EFFECT_OF_A.remove(&work.consumer_db());
     let consumer = Consumer::start_on(work.consumer_db(), work.path("no-trigger.log"), false, &[]);
     let r = consumer.apply("A").await;
     assert_eq!((r.applied, stop(&r), projection(&r)), (1, ApplyStop::Idle, (1, "reserved".into(), 3)));

@@ -123,7 +123,7 @@ async fn wait_until<T: std::fmt::Debug>(
 /// server's memory falls back within the stated bound.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_fills_the_caps_exactly_and_memory_returns() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let token_file = work.path("token");
     std::fs::write(&token_file, TOKEN).expect("write token");
     let consumer = Consumer::start_with(&work, &["--token-file", &token_file.display().to_string()]);
@@ -185,7 +185,7 @@ async fn a_flood_fills_the_caps_exactly_and_memory_returns() {
 /// both give their permits back.
 #[tokio::test]
 async fn idle_streams_and_connections_are_ended() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let consumer = Consumer::start_with(
         &work,
         &[
@@ -238,7 +238,7 @@ async fn idle_streams_and_connections_are_ended() {
 /// open, and Advance works once they are gone.
 #[tokio::test]
 async fn the_producer_caps_connections_and_streams() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let producer = Producer::start_with(&work, &["--max-connections", "1", "--max-streams", "3"]);
     let url = producer.process.url();
     let c = channel(&url).await.expect("connect");

@@ -11,7 +11,7 @@ fn outcome(r: &proto::pb::AdvanceResponse) -> AdvanceOutcome {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn advance_table() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let producer = Producer::start(&work, &[]);
     for (id, seq, kind) in [("A1", 0, "reserved"), ("A2", 1, "confirmed"), ("A3", 2, "released")] {
         let r = producer.advance(advance("A", id, seq, kind, 1)).await;
@@ -46,7 +46,7 @@ async fn advance_table() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn schema_2_emits_units_and_get_flow_shows_the_outbox() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let producer = Producer::start(&work, &[]);
     producer.advance(advance("S", "S1", 0, "reserved", 1)).await;
     let r = producer.advance(advance("S", "S2", 1, "confirmed", 2)).await;
@@ -74,7 +74,7 @@ async fn schema_2_emits_units_and_get_flow_shows_the_outbox() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_requests_are_invalid_argument_and_write_nothing() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let producer = Producer::start(&work, &[]);
     let mut client = producer.client().await;
     let base = advance("A", "A1", 0, "reserved", 1);
@@ -103,7 +103,7 @@ async fn crash_points() {
         (CrashPoint::ProducerAfterOutboxInsert, false),
         (CrashPoint::ProducerAfterCommit, true),
     ] {
-        let work = Workdir::new();
+        let Some(work) = Workdir::for_test() else { return };
         let mut crashing = Producer::start_armed(work.producer_db(), work.path("producer.log"), point);
         assert!(
             crashing.process.log_text().contains("CRASH POINT ARMED"),
@@ -129,7 +129,7 @@ async fn crash_points() {
 /// An EXISTING answer writes nothing, so it never reaches a crash point.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn existing_does_not_fire_a_crash_point() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let producer = Producer::start(&work, &[]);
     producer.advance(advance("A", "A1", 0, "reserved", 1)).await;
     drop(producer);

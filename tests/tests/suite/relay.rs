@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use harness::Target;
 use harness::background::{RelayDaemon, wait_for};
 use harness::db;
 use harness::proc::{ServerProcess, relay_armed};
@@ -23,7 +24,7 @@ async fn commit_flow(producer: &Producer, flow: &str, steps: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_events_travel_from_advance_to_apply() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let producer = Producer::start(&work, &[]);
     let consumer = Consumer::start(&work, false, &[]);
     commit_flow(&producer, "A", 3).await;
@@ -54,7 +55,7 @@ async fn three_events_travel_from_advance_to_apply() {
 /// explicit send delivers it; drain skips A and delivers B's later rows.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn head_of_line_default_relay_and_the_ways_around_it() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let producer = Producer::start(&work, &[]);
     let consumer = Consumer::start(&work, false, &[]);
     commit_flow(&producer, "A", 1).await;
@@ -105,7 +106,7 @@ async fn head_of_line_default_relay_and_the_ways_around_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_after_mark_redelivers_as_duplicate() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let producer = Producer::start(&work, &[]);
     let consumer = Consumer::start(&work, false, &[]);
     commit_flow(&producer, "A", 1).await;
@@ -124,7 +125,7 @@ async fn crash_after_mark_redelivers_as_duplicate() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_after_mark_commit_leaves_nothing_to_do() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let producer = Producer::start(&work, &[]);
     let consumer = Consumer::start(&work, false, &[]);
     commit_flow(&producer, "A", 1).await;
@@ -144,7 +145,7 @@ async fn crash_after_mark_commit_leaves_nothing_to_do() {
 /// event has exactly one inbox row and every answer is ACCEPTED or DUPLICATE.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn six_relays_racing_drain() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let producer = Producer::start(&work, &[]);
     let consumer = Consumer::start(&work, false, &[]);
     for i in 0..20 {
@@ -180,7 +181,7 @@ async fn six_relays_racing_drain() {
 /// address, holds no read transaction while idle, and exits 0 on SIGTERM.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_mode_follows_new_rows_and_survives_a_consumer_restart() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let producer = Producer::start(&work, &[]);
     let mut consumer = Consumer::start(&work, false, &[]);
     let url = consumer.process.url();
@@ -193,22 +194,40 @@ async fn run_mode_follows_new_rows_and_survives_a_consumer_restart() {
         &[],
     );
     commit_flow(&producer, "A", 2).await;
-    let inbox_has = |path: &std::path::Path, n: usize| (db::inbox(path).len() >= n).then_some(());
+    let inbox_has = |path: &Target, n: usize| (db::inbox(path).len() >= n).then_some(());
     wait_for(
         Duration::from_secs(30),
         || inbox_has(&consumer.db, 2),
         || format!("{:?}", db::inbox(&consumer.db)),
     );
 
-    // While the relay idles, a checkpoint can truncate the WAL: no read transaction is held.
-    let conn = rusqlite::Connection::open(&producer.db).expect("open producer.db");
-    let busy: i64 = conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get(0)).expect("checkpoint");
-    assert_eq!(busy, 0, "a reader blocked the checkpoint");
+    // While the relay idles it holds no read transaction open between polls.
+    match &producer.db {
+        // A checkpoint can truncate the WAL.
+        Target::Sqlite(path) => {
+            let conn = rusqlite::Connection::open(path).expect("open producer.db");
+            let busy: i64 =
+                conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get(0)).expect("checkpoint");
+            assert_eq!(busy, 0, "a reader blocked the checkpoint");
+        }
+        // Every transaction open now (a poll's, at most) ends soon after.
+        Target::Postgres(_) => {
+            let open = db::open_transactions(&producer.db);
+            wait_for(
+                Duration::from_secs(30),
+                || {
+                    let now = db::open_transactions(&producer.db);
+                    open.iter().all(|t| !now.contains(t)).then_some(())
+                },
+                || format!("still open: {:?}", db::open_transactions(&producer.db)),
+            );
+        }
+    }
 
     // Restart the consumer on the same address while rows keep coming.
     consumer.process.kill();
     let addr = consumer.process.addr.clone();
-    let args = ["--db".to_owned(), consumer.db.display().to_string(), "--listen".to_owned(), addr];
+    let args = ["--db".to_owned(), consumer.db.arg(), "--listen".to_owned(), addr];
     commit_flow_from(&producer, "A", 2, 1).await;
     let restarted = Consumer {
         process: ServerProcess::start("consumer", &args, &[], work.path("consumer2.log")),
@@ -230,7 +249,7 @@ async fn run_mode_follows_new_rows_and_survives_a_consumer_restart() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn operational_errors_exit_1_with_one_line() {
-    let work = Workdir::new();
+    let Some(mut work) = Workdir::for_test() else { return };
     let producer = Producer::start(&work, &[]);
     commit_flow(&producer, "A", 1).await;
     // Nothing listens on this port (a server bound and released it).
@@ -247,8 +266,10 @@ async fn operational_errors_exit_1_with_one_line() {
     );
     assert!(!db::outbox(&producer.db)[0].accepted);
 
-    let empty = work.path("empty.db");
-    std::fs::write(&empty, b"").expect("write");
+    let empty = work.other_db("empty.db");
+    if let Some(file) = empty.sqlite_path() {
+        std::fs::write(file, b"").expect("write");
+    }
     let run = relay(&empty, "http://127.0.0.1:1", &["drain"], &[]);
     assert_eq!(run.code, Some(1));
     assert!(run.stderr.contains("has not been created by the producer"), "{}", run.stderr);

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use harness::background::{RelayDaemon, poll, wait_for};
-use harness::{Consumer, Producer, Workdir, db, relay};
+use harness::{Consumer, Producer, Target, Workdir, db, relay};
 use proto::pb::AdvanceOutcome;
 
 const EXIT: Duration = Duration::from_secs(30);
@@ -18,17 +18,14 @@ async fn commit(producer: &Producer, flow: &str, steps: usize) {
     }
 }
 
-fn all_accepted(path: &std::path::Path) -> Option<()> {
+fn all_accepted(path: &Target) -> Option<()> {
     db::outbox(path).iter().all(|r| r.accepted).then_some(())
 }
 
 /// `(accepted, attempts, last_outcome)` of one outbox row.
-fn sends(path: &std::path::Path, id: &str) -> (bool, u64, Option<String>) {
-    let conn = rusqlite::Connection::open(path).expect("open producer.db");
-    conn.query_row("SELECT accepted, attempts, last_outcome FROM outbox WHERE event_id = ?1", [id], |r| {
-        Ok((r.get::<_, i64>(0)? != 0, r.get(1)?, r.get(2)?))
-    })
-    .expect("outbox row")
+fn sends(path: &Target, id: &str) -> (bool, u64, Option<String>) {
+    let row = db::outbox_row(path, id).unwrap_or_else(|| panic!("no outbox row {id}"));
+    (row.accepted, row.attempts, row.last_outcome)
 }
 
 fn log_has(daemon: &RelayDaemon, text: &str, times: usize) -> Option<()> {
@@ -40,7 +37,7 @@ fn log_has(daemon: &RelayDaemon, text: &str, times: usize) -> Option<()> {
 /// delivers everything.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_shot_modes_give_up_on_a_stopped_consumer() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let producer = Producer::start(&work, &[]);
     let consumer = Consumer::start(&work, false, &[]);
     commit(&producer, "A", 2).await;
@@ -65,7 +62,7 @@ async fn one_shot_modes_give_up_on_a_stopped_consumer() {
 /// timeout (ten minutes here) could: exit 1 with one line saying it was stopped.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_ends_one_shot_modes_whatever_the_consumer_does() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let producer = Producer::start(&work, &[]);
     let consumer = Consumer::start(&work, false, &[]);
     commit(&producer, "A", 1).await;
@@ -90,7 +87,7 @@ async fn sigterm_ends_one_shot_modes_whatever_the_consumer_does() {
 /// send is counted on its row; after SIGCONT everything is delivered, and SIGTERM exits 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_mode_reconnects_after_a_stopped_consumer_and_delivers_everything() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let producer = Producer::start(&work, &[]);
     let consumer = Consumer::start(&work, false, &[]);
     let daemon = RelayDaemon::start(
@@ -126,7 +123,7 @@ async fn run_mode_reconnects_after_a_stopped_consumer_and_delivers_everything() 
 /// for their answers, not the (ten-minute) answer timeout, exits 0, and counts the sends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_ends_run_mode_within_the_grace_with_rows_in_flight() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let producer = Producer::start(&work, &[]);
     let consumer = Consumer::start(&work, false, &[]);
     let daemon = RelayDaemon::start(
@@ -152,7 +149,7 @@ async fn sigterm_ends_run_mode_within_the_grace_with_rows_in_flight() {
 /// makes progress, and finishes with exit 0 once everything fits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_waits_on_a_full_backlog_while_it_makes_progress() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let producer = Producer::start(&work, &[]);
     let consumer = Consumer::start_with(&work, &["--max-pending", "2"]);
     for flow in ["F1-", "F2-", "F3-", "F4-", "F5-"] {
@@ -188,7 +185,7 @@ async fn drain_waits_on_a_full_backlog_while_it_makes_progress() {
 /// `drain` with exit 1 and one line; the deferred rows stay unaccepted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_gives_up_loudly_when_a_full_backlog_never_moves() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let producer = Producer::start(&work, &[]);
     let consumer = Consumer::start_with(&work, &["--max-pending", "2"]);
     for flow in ["F1-", "F2-", "F3-", "F4-"] {
@@ -270,7 +267,7 @@ impl proto::pb::consumer_server::Consumer for AnswersWith {
 /// row unaccepted, holds its flow back, and shows in the summary and the exit code (4).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_not_understood_fail_the_exit_code() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let producer = Producer::start(&work, &[]);
     commit(&producer, "A", 2).await;
     commit(&producer, "B", 1).await;

@@ -75,7 +75,7 @@ fn counts(producer: &Producer, consumer: &Consumer) -> (usize, usize, usize, usi
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn token_required_on_every_rpc_and_nothing_changes_without_it() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let token_file = work.path("token");
     std::fs::write(&token_file, format!("{TOKEN}\n")).expect("write token");
     let token_arg = token_file.display().to_string();
@@ -121,7 +121,7 @@ async fn token_required_on_every_rpc_and_nothing_changes_without_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_over_tls_trusting_a_given_ca() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let ca_key = rcgen::KeyPair::generate().expect("ca key");
     let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("ca params");
     ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
@@ -154,7 +154,7 @@ async fn relay_over_tls_trusting_a_given_ca() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_bearer_scheme_is_case_insensitive() {
-    let work = Workdir::new();
+    let Some(work) = Workdir::for_test() else { return };
     let token_file = work.path("token");
     std::fs::write(&token_file, TOKEN).expect("write token");
     let producer = Producer::start_with(&work, &["--token-file", &token_file.display().to_string()]);

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use harness::background::{RelayDaemon, wait_for};
 use harness::db;
 use harness::proc::ServerProcess;
-use harness::{Consumer, Producer, Workdir};
+use harness::{Consumer, Producer, Target, Workdir};
 use proto::pb::AdvanceOutcome;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
@@ -21,16 +21,14 @@ const DEADLINE: Duration = Duration::from_secs(60);
 
 /// Starts `consumer --auto-apply` on `db`, listening on `listen` (a restarted consumer keeps
 /// its address so the running relay finds it again).
-fn start_consumer(db: &Path, listen: &str, log: PathBuf, env: &[(&str, &str)]) -> Consumer {
-    let args: Vec<String> = ["--db", &db.display().to_string(), "--listen", listen, "--auto-apply"]
-        .iter()
-        .map(|s| (*s).to_owned())
-        .collect();
+fn start_consumer(db: &Target, listen: &str, log: PathBuf, env: &[(&str, &str)]) -> Consumer {
+    let args: Vec<String> =
+        ["--db", &db.arg(), "--listen", listen, "--auto-apply"].iter().map(|s| (*s).to_owned()).collect();
     // The address of a consumer killed a moment ago may still be taken: retry until free.
     let until = Instant::now() + DEADLINE;
     loop {
         match ServerProcess::try_start("consumer", &args, env, log.clone(), Duration::from_secs(10)) {
-            Ok(process) => return Consumer { process, db: db.to_owned() },
+            Ok(process) => return Consumer { process, db: db.clone() },
             Err(e) if Instant::now() < until && e.contains("ddress") => continue,
             Err(e) => panic!("{e}"),
         }
@@ -64,8 +62,8 @@ async fn commit_flows(producer: &Producer, prefix: &str, n: usize) -> Vec<String
 /// Waits until consumer.db holds exactly the effects of every event in producer.db's outbox
 /// (each event id once, in seq order per flow) and every outbox row is accepted.
 fn wait_every_event_applied_once(
-    producer_db: &Path,
-    consumer_db: &Path,
+    producer_db: &Target,
+    consumer_db: &Target,
     relay: &RelayDaemon,
     consumer: &Consumer,
 ) {
@@ -143,9 +141,9 @@ impl Fault {
         }
     }
 
-    fn consumer_db(&self, work: &Workdir) -> PathBuf {
+    fn consumer_db(&self, work: &Workdir) -> Target {
         match self {
-            Fault::Tmpfs { mount, .. } => mount.join("consumer.db"),
+            Fault::Tmpfs { mount, .. } => mount.join("consumer.db").into(),
             Fault::Hook { .. } => work.consumer_db(),
         }
     }
@@ -197,7 +195,10 @@ impl Drop for Fault {
 /// auto-apply applies everything the outage left, with no ApplyAll; every event once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_consumer_whose_storage_fills_up_reports_it_and_recovers_without_losing_an_event() {
-    let work = Workdir::new();
+    harness::sqlite_only!(
+        "fills the file system under consumer.db (a small tmpfs, or the SQLite store's commit-failure hook)"
+    );
+    let Some(work) = Workdir::for_test() else { return };
     let fault = Fault::prepare(&work);
     let consumer_db = fault.consumer_db(&work);
     let env = fault.env();
@@ -249,7 +250,8 @@ async fn a_consumer_whose_storage_fills_up_reports_it_and_recovers_without_losin
 /// committed event applied once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_consumer_database_deleted_under_the_consumer_is_refilled_by_the_relay() {
-    let work = Workdir::new();
+    harness::sqlite_only!("deletes consumer.db and its -wal/-shm sidecars under the running consumer");
+    let Some(work) = Workdir::for_test() else { return };
     let producer = Producer::start(&work, &[]);
     let consumer_db = work.consumer_db();
     let mut consumer = start_consumer(&consumer_db, "127.0.0.1:0", work.path("consumer.log"), &[]);
@@ -259,7 +261,7 @@ async fn a_consumer_database_deleted_under_the_consumer_is_refilled_by_the_relay
     wait_every_event_applied_once(&producer.db, &consumer_db, &daemon, &consumer);
 
     // Only the database file goes; its -wal and -shm stay, as after a careless `rm`.
-    std::fs::remove_file(&consumer_db).expect("delete consumer.db");
+    std::fs::remove_file(consumer_db.file()).expect("delete consumer.db");
     commit_flows(&producer, "new", 5).await;
     wait_for(
         DEADLINE,
@@ -267,24 +269,22 @@ async fn a_consumer_database_deleted_under_the_consumer_is_refilled_by_the_relay
         || consumer.process.log_text(),
     );
     wait_health(&consumer, ServingStatus::NotServing).await;
-    assert!(!consumer_db.exists(), "nothing may recreate the file under the running consumer");
+    assert!(!consumer_db.file().exists(), "nothing may recreate the file under the running consumer");
     consumer.process.kill();
 
     // A restart refuses to build a fresh database beside the old one's leftovers.
-    let args: Vec<String> = ["--db", &consumer_db.display().to_string(), "--listen", &addr]
-        .iter()
-        .map(|s| (*s).to_owned())
-        .collect();
+    let args: Vec<String> =
+        ["--db", &consumer_db.arg(), "--listen", &addr].iter().map(|s| (*s).to_owned()).collect();
     let refused =
         ServerProcess::try_start("consumer", &args, &[], work.path("consumer-refused.log"), DEADLINE)
             .err()
             .expect("a consumer must not start on a deleted database's leftovers");
     assert!(refused.contains("remain: it was deleted or moved"), "{refused}");
-    assert!(!consumer_db.exists(), "the refusing consumer created nothing");
+    assert!(!consumer_db.file().exists(), "the refusing consumer created nothing");
 
     // The operator starts fresh deliberately; the relay sees another database and re-sends.
     for suffix in ["-wal", "-shm"] {
-        let mut name = consumer_db.as_os_str().to_owned();
+        let mut name = consumer_db.file().as_os_str().to_owned();
         name.push(suffix);
         let _ = std::fs::remove_file(PathBuf::from(name));
     }
@@ -301,7 +301,8 @@ async fn a_consumer_database_deleted_under_the_consumer_is_refilled_by_the_relay
 /// and sends the lost rows again; every committed event ends applied once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_consumer_database_restored_from_an_older_copy_gets_the_lost_rows_again() {
-    let work = Workdir::new();
+    harness::sqlite_only!("copies consumer.db and its sidecars back over the live files");
+    let Some(work) = Workdir::for_test() else { return };
     let producer = Producer::start(&work, &[]);
     let consumer_db = work.consumer_db();
     let mut consumer = start_consumer(&consumer_db, "127.0.0.1:0", work.path("consumer.log"), &[]);
@@ -317,7 +318,7 @@ async fn a_consumer_database_restored_from_an_older_copy_gets_the_lost_rows_agai
     let files = |dir: &Path| -> Vec<PathBuf> {
         ["consumer.db", "consumer.db-wal", "consumer.db-shm"].iter().map(|f| dir.join(f)).collect()
     };
-    let live_dir = consumer_db.parent().expect("consumer.db has a directory").to_owned();
+    let live_dir = consumer_db.file().parent().expect("consumer.db has a directory").to_owned();
     for (live, copy) in files(&live_dir).iter().zip(files(&backup)) {
         if live.exists() {
             std::fs::copy(live, copy).expect("back up");

@@ -650,6 +650,9 @@ impl Side for ConsumerSide {
 /// Random consumer cases against the real consumer, compared step by step with the model.
 #[test]
 fn consumer_matches_the_model() {
+    if !harness::backend::ready() {
+        return;
+    }
     let seed = seed();
     let cases = CASES * scale();
     say(&format!("model: consumer: seed {seed}, {cases} cases (replay: ORDERED_EVENTS_MODEL_SEED={seed})"));

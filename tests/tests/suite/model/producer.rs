@@ -324,6 +324,9 @@ impl Side for ProducerSide {
 /// Random Advance cases against the real producer, compared step by step with the model.
 #[test]
 fn producer_matches_the_model() {
+    if !harness::backend::ready() {
+        return;
+    }
     let seed = seed();
     let cases = CASES * scale();
     say(&format!("model: producer: seed {seed}, {cases} cases (replay: ORDERED_EVENTS_MODEL_SEED={seed})"));
