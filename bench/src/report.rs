@@ -186,6 +186,7 @@ pub fn run_json(
                 "in_file": files["consumer.db"],
                 "consumer": stopped.consumer_log_settings,
             },
+            "postgres_server": files["postgres"],
         },
         "relay": {"exit_code": stopped.relay_exit_code, "summary": stopped.relay_summary},
         "batch_sizes": stopped.batch_sizes,
@@ -246,7 +247,7 @@ pub fn table(doc: &Value) -> String {
     );
     let _ = writeln!(
         out,
-        "{:<18} {:>7} {:<14} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8}  {:<20} {:<24}",
+        "{:<24} {:>7} {:<14} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8}  {:<20} {:<24}",
         "run",
         "events",
         "load",
@@ -272,8 +273,12 @@ pub fn table(doc: &Value) -> String {
         let p = &r["processes"];
         let _ = writeln!(
             out,
-            "{:<18} {:>7} {:<14} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>8.1} {:>8.1} {:>8.1}  {:<20} {:<24}",
-            r["label"].as_str().unwrap_or(""),
+            "{:<24} {:>7} {:<14} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>8.1} {:>8.1} {:>8.1}  {:<20} {:<24}",
+            format!(
+                "{} {}",
+                r["label"].as_str().unwrap_or(""),
+                r["config"]["backend"].as_str().unwrap_or("")
+            ),
             r["config"]["events"],
             load,
             n(&r["end_to_end"]["events_per_s"]),
@@ -292,11 +297,15 @@ pub fn table(doc: &Value) -> String {
                 n(&p["relay"]["peak_rss_mib"])
             ),
             format!(
-                "{:.0}/{:.0}/{:.0}/{:.0}",
+                "{:.0}/{:.0}/{:.0}/{:.0}{}",
                 n(&p["producer"]["cpu_us_per_event"]),
                 n(&p["consumer"]["cpu_us_per_event"]),
                 n(&p["relay"]["cpu_us_per_event"]),
-                n(&p["bench_clients"]["cpu_us_per_event"])
+                n(&p["bench_clients"]["cpu_us_per_event"]),
+                match p["postgres_server"]["cpu_us_per_event"].as_f64() {
+                    Some(server) => format!(" +pg {server:.0}"),
+                    None => String::new(),
+                }
             ),
         );
     }
