@@ -312,6 +312,23 @@ pub fn table(doc: &Value) -> String {
     for r in doc["runs"].as_array().into_iter().flatten() {
         let dbs = &r["databases"];
         let word = |v: &Value| v.as_str().unwrap_or("?").to_owned();
+        if r["config"]["backend"] == "postgres" {
+            let server = &dbs["postgres_server"];
+            let _ = writeln!(
+                out,
+                "{}: PostgreSQL {} fsync={} full_page_writes={} wal_sync_method={}; synchronous_commit={} (producer) {} (relay) {} (consumer); verified={}",
+                r["label"].as_str().unwrap_or(""),
+                word(&server["server_version"]),
+                word(&server["fsync"]),
+                word(&server["full_page_writes"]),
+                word(&server["wal_sync_method"]),
+                word(&dbs["producer.db"]["producer"]["synchronous_commit"]),
+                word(&dbs["producer.db"]["relay"]["synchronous_commit"]),
+                word(&dbs["consumer.db"]["consumer"]["synchronous_commit"]),
+                r["verified"]["ok"],
+            );
+            continue;
+        }
         let _ = writeln!(
             out,
             "{}: producer.db journal_mode={} (file) synchronous={} (producer) {} (relay); consumer.db journal_mode={} (file) synchronous={} (consumer); verified={}",
