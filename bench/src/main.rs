@@ -9,6 +9,7 @@
 mod callgrind;
 mod load;
 mod measure;
+mod measure_pg;
 mod pipeline;
 mod report;
 
@@ -20,7 +21,7 @@ use clap::Parser;
 use serde_json::{Value, json};
 
 use crate::load::Load;
-use crate::pipeline::{Caps, Launcher, Pipeline};
+use crate::pipeline::{Caps, Databases, Launcher, Pipeline};
 
 /// Measures the pipeline end to end: Advance → committed → relayed → accepted → applied.
 ///
@@ -95,6 +96,13 @@ struct Args {
     /// main one) and report instructions per event: the figure to compare across commits.
     #[arg(long, conflicts_with_all = ["half_rate", "compare_batch_1"])]
     callgrind: bool,
+    /// Where the services store: `sqlite` (fresh files per run) or `postgres` (a fresh
+    /// database per run on the server --pg-url names, dropped after the run).
+    #[arg(long, value_enum, default_value_t = Backend::Sqlite)]
+    backend: Backend,
+    /// The PostgreSQL server for `--backend postgres`: a URL allowed to create databases.
+    #[arg(long, env = proto::pg::testing::URL_ENV, default_value = proto::pg::testing::DEFAULT_URL, value_name = "URL")]
+    pg_url: String,
     /// Take `producer`, `consumer` and `relay` from this directory (e.g. another checkout's
     /// `target/release`) instead of this checkout's `target/release`.
     #[arg(long, value_name = "DIR")]
@@ -109,6 +117,16 @@ impl Args {
     fn launcher(&self) -> Launcher {
         Launcher { bin_dir: self.bin_dir.clone(), callgrind: self.callgrind }
     }
+}
+
+/// The store backend of a run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+enum Backend {
+    /// SQLite files (the embedded default).
+    Sqlite,
+    /// A PostgreSQL database.
+    Postgres,
 }
 
 /// One run to do.
@@ -211,6 +229,7 @@ fn args_json(args: &Args) -> Value {
         "keep": args.keep,
         "callgrind": args.callgrind,
         "bin_dir": args.bin_dir,
+        "backend": args.backend,
     })
 }
 
@@ -226,9 +245,37 @@ async fn run_one(args: &Args, base: &std::path::Path, spec: &RunSpec) -> anyhow:
         spec.caps,
         dir.path().display()
     );
+    // A PostgreSQL run's database lives as long as this value (dropped at the end of the run).
+    let pg =
+        match args.backend {
+            Backend::Sqlite => None,
+            Backend::Postgres => {
+                let (admin, label) = (args.pg_url.clone(), format!("bench_{}", spec.label));
+                let db = tokio::task::spawn_blocking(move || {
+                    proto::pg::testing::TestDb::create_on(&admin, &label)
+                })
+                .await?
+                .map_err(|e| {
+                    anyhow::anyhow!("--backend postgres: cannot create a database on {}: {e}", args.pg_url)
+                })?;
+                Some(db)
+            }
+        };
+    let databases = match &pg {
+        None => Databases::files(dir.path()),
+        Some(db) => Databases::Postgres { url: db.url().to_owned() },
+    };
     let pipeline = {
-        let (path, caps, launcher) = (dir.path().to_owned(), spec.caps.clone(), args.launcher());
-        tokio::task::spawn_blocking(move || Pipeline::start(&path, &caps, &launcher)).await??
+        let (path, dbs, caps, launcher) =
+            (dir.path().to_owned(), databases.clone(), spec.caps.clone(), args.launcher());
+        tokio::task::spawn_blocking(move || Pipeline::start(&path, &dbs, &caps, &launcher)).await??
+    };
+    let server_cpu_before = match &pg {
+        None => None,
+        Some(db) => {
+            let (url, name) = (db.url().to_owned(), db.name().to_owned());
+            Some(tokio::task::spawn_blocking(move || measure_pg::server_cpu(&url, &name)).await??)
+        }
     };
     let bench_cpu_before = pipeline::proc_stats("self").cpu_seconds;
     let load = load::drive(&pipeline.producer.url(), "f", spec.flows, spec.load, args.connections).await?;
@@ -240,21 +287,42 @@ async fn run_one(args: &Args, base: &std::path::Path, spec: &RunSpec) -> anyhow:
         &load.unexpected[..load.unexpected.len().min(3)]
     );
     let events = spec.flows as u64 * 3;
-    let (producer_db, consumer_db) = (pipeline.producer_db(), pipeline.consumer_db());
     let deadline = Duration::from_secs(args.timeout_s);
     {
-        let (p, c) = (producer_db.clone(), consumer_db.clone());
-        tokio::task::spawn_blocking(move || measure::wait_until_applied(&p, &c, events, deadline)).await??;
+        let dbs = databases.clone();
+        tokio::task::spawn_blocking(move || match &dbs {
+            Databases::Files { producer, consumer } => {
+                measure::wait_until_applied(producer, consumer, events, deadline)
+            }
+            Databases::Postgres { url } => measure_pg::wait_until_applied(url, events, deadline),
+        })
+        .await??;
     }
+    let server_cpu_seconds = match (&pg, server_cpu_before) {
+        (Some(db), Some(before)) => {
+            let (url, name) = (db.url().to_owned(), db.name().to_owned());
+            let after = tokio::task::spawn_blocking(move || measure_pg::server_cpu(&url, &name)).await??;
+            Some(measure_pg::server_cpu_between(&before, &after))
+        }
+        _ => None,
+    };
     let stopped = tokio::task::spawn_blocking(move || pipeline.stop()).await?;
     let flows = spec.flows as u64;
     let (tables, files) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
-        let tables = measure::read_tables(&producer_db, &consumer_db, flows)?;
-        let files = json!({
-            "producer.db": measure::journal_mode_in_file(&producer_db)?,
-            "consumer.db": measure::journal_mode_in_file(&consumer_db)?,
-        });
-        Ok((tables, files))
+        match &databases {
+            Databases::Files { producer, consumer } => {
+                let tables = measure::read_tables(producer, consumer, flows)?;
+                let files = json!({
+                    "producer.db": measure::journal_mode_in_file(producer)?,
+                    "consumer.db": measure::journal_mode_in_file(consumer)?,
+                });
+                Ok((tables, files))
+            }
+            Databases::Postgres { url } => {
+                let tables = measure_pg::read_tables(url, flows)?;
+                Ok((tables, json!({"postgres": measure_pg::server_settings(url)?})))
+            }
+        }
     })
     .await??;
     // Read before the directory goes (unless --keep).
@@ -276,5 +344,14 @@ async fn run_one(args: &Args, base: &std::path::Path, spec: &RunSpec) -> anyhow:
     if let Some(instructions) = instructions {
         run["callgrind"] = instructions;
     }
+    run["config"]["backend"] = json!(args.backend);
+    if let Some(cpu) = server_cpu_seconds {
+        run["processes"]["postgres_server"] = json!({
+            "cpu_seconds": (cpu * 1000.0).round() / 1000.0,
+            "cpu_us_per_event": (cpu * 1e6 / events as f64).round(),
+            "counted": "the run database's backends and the server's background processes",
+        });
+    }
+    drop(pg);
     Ok(run)
 }

@@ -144,7 +144,6 @@ pub fn proc_stats(pid: &str) -> ProcStats {
 
 /// The three processes of one run.
 pub struct Pipeline {
-    pub dir: PathBuf,
     pub producer: ServerProcess,
     pub consumer: ServerProcess,
     pub relay: RelayDaemon,
@@ -172,16 +171,79 @@ pub struct Stopped {
 /// Effective settings a process reported for its connection.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Settings {
+    /// SQLite: `PRAGMA journal_mode`.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub journal_mode: Option<String>,
+    /// SQLite: `PRAGMA synchronous`.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub synchronous: Option<String>,
+    /// PostgreSQL: the session's `synchronous_commit`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub synchronous_commit: Option<String>,
+    /// PostgreSQL: the server's `fsync`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fsync: Option<String>,
+}
+
+/// Where a run's two stores live.
+#[derive(Clone, Debug)]
+pub enum Databases {
+    /// Fresh SQLite files in the run's directory.
+    Files {
+        /// producer.db.
+        producer: PathBuf,
+        /// consumer.db.
+        consumer: PathBuf,
+    },
+    /// One fresh PostgreSQL database holding both schemas.
+    Postgres {
+        /// Its URL.
+        url: String,
+    },
+}
+
+impl Databases {
+    /// Fresh files in `dir`.
+    pub fn files(dir: &Path) -> Databases {
+        Databases::Files { producer: dir.join("producer.db"), consumer: dir.join("consumer.db") }
+    }
+
+    /// The producer's `--db` (and the relay's `--producer-db`).
+    pub fn producer_arg(&self) -> String {
+        match self {
+            Databases::Files { producer, .. } => producer.display().to_string(),
+            Databases::Postgres { url } => url.clone(),
+        }
+    }
+
+    /// The relay's `--producer-db`, as the harness starts it.
+    pub fn producer_target(&self) -> harness::Target {
+        match self {
+            Databases::Files { producer, .. } => harness::Target::Sqlite(producer.clone()),
+            Databases::Postgres { url } => harness::Target::Postgres(url.clone()),
+        }
+    }
+
+    /// The consumer's `--db`.
+    pub fn consumer_arg(&self) -> String {
+        match self {
+            Databases::Files { consumer, .. } => consumer.display().to_string(),
+            Databases::Postgres { url } => url.clone(),
+        }
+    }
 }
 
 impl Pipeline {
-    /// Starts producer, consumer and relay in `dir` with `caps`, as `launcher` says.
-    pub fn start(dir: &Path, caps: &Caps, launcher: &Launcher) -> anyhow::Result<Pipeline> {
-        let producer_db = dir.join("producer.db");
-        let consumer_db = dir.join("consumer.db");
-        let text = |p: &Path| p.display().to_string();
+    /// Starts producer, consumer and relay in `dir` on `databases` with `caps`, as
+    /// `launcher` says.
+    pub fn start(
+        dir: &Path,
+        databases: &Databases,
+        caps: &Caps,
+        launcher: &Launcher,
+    ) -> anyhow::Result<Pipeline> {
+        let producer_db = databases.producer_arg();
+        let consumer_db = databases.consumer_arg();
         let start_server = |name: &str, args: &[String]| -> anyhow::Result<ServerProcess> {
             ServerProcess::try_start_command(
                 launcher.command(dir, name)?,
@@ -197,7 +259,7 @@ impl Pipeline {
             "producer",
             &strings(&[
                 "--db",
-                &text(&producer_db),
+                &producer_db,
                 "--listen",
                 "127.0.0.1:0",
                 "--max-batch",
@@ -208,7 +270,7 @@ impl Pipeline {
             "consumer",
             &strings(&[
                 "--db",
-                &text(&consumer_db),
+                &consumer_db,
                 "--listen",
                 "127.0.0.1:0",
                 "--auto-apply",
@@ -222,7 +284,7 @@ impl Pipeline {
             launcher.command(dir, "relay")?,
             dir,
             "relay",
-            &harness::Target::Sqlite(producer_db.clone()),
+            &databases.producer_target(),
             &consumer.url(),
             &[
                 "run",
@@ -237,21 +299,7 @@ impl Pipeline {
             ],
             launcher.relay_env(),
         );
-        Ok(Pipeline {
-            dir: dir.to_owned(),
-            producer,
-            consumer,
-            relay,
-            stop_deadline: launcher.stop_deadline(),
-        })
-    }
-
-    pub fn producer_db(&self) -> PathBuf {
-        self.dir.join("producer.db")
-    }
-
-    pub fn consumer_db(&self) -> PathBuf {
-        self.dir.join("consumer.db")
+        Ok(Pipeline { producer, consumer, relay, stop_deadline: launcher.stop_deadline() })
     }
 
     /// Reads every process's `/proc` figures, then stops them all (SIGTERM, relay first).
@@ -291,13 +339,19 @@ fn strings(words: &[&str]) -> Vec<String> {
     words.iter().map(|w| (*w).to_owned()).collect()
 }
 
-/// Finds `journal_mode=…` and `synchronous=…` on the "database open" start-up line.
+/// Finds the durability settings (`journal_mode=…`, `synchronous=…`; on PostgreSQL
+/// `synchronous_commit=…`, `fsync=…`) on the "database open" start-up line.
 fn settings(log: &str) -> Settings {
     let Some(line) = log.lines().find(|l| l.contains("database open")) else { return Settings::default() };
     let value = |key: &str| {
         line.split_whitespace().find_map(|w| w.strip_prefix(key)).map(|v| v.trim_matches('"').to_owned())
     };
-    Settings { journal_mode: value("journal_mode="), synchronous: value("synchronous=") }
+    Settings {
+        journal_mode: value("journal_mode="),
+        synchronous: value("synchronous="),
+        synchronous_commit: value("synchronous_commit="),
+        fsync: value("fsync="),
+    }
 }
 
 /// The `batch sizes` lines a process logged at shutdown, by writer:

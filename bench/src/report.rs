@@ -186,6 +186,7 @@ pub fn run_json(
                 "in_file": files["consumer.db"],
                 "consumer": stopped.consumer_log_settings,
             },
+            "postgres_server": files["postgres"],
         },
         "relay": {"exit_code": stopped.relay_exit_code, "summary": stopped.relay_summary},
         "batch_sizes": stopped.batch_sizes,
@@ -246,7 +247,7 @@ pub fn table(doc: &Value) -> String {
     );
     let _ = writeln!(
         out,
-        "{:<18} {:>7} {:<14} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8}  {:<20} {:<24}",
+        "{:<24} {:>7} {:<14} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8}  {:<20} {:<24}",
         "run",
         "events",
         "load",
@@ -272,8 +273,12 @@ pub fn table(doc: &Value) -> String {
         let p = &r["processes"];
         let _ = writeln!(
             out,
-            "{:<18} {:>7} {:<14} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>8.1} {:>8.1} {:>8.1}  {:<20} {:<24}",
-            r["label"].as_str().unwrap_or(""),
+            "{:<24} {:>7} {:<14} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>8.1} {:>8.1} {:>8.1}  {:<20} {:<24}",
+            format!(
+                "{} {}",
+                r["label"].as_str().unwrap_or(""),
+                r["config"]["backend"].as_str().unwrap_or("")
+            ),
             r["config"]["events"],
             load,
             n(&r["end_to_end"]["events_per_s"]),
@@ -292,17 +297,38 @@ pub fn table(doc: &Value) -> String {
                 n(&p["relay"]["peak_rss_mib"])
             ),
             format!(
-                "{:.0}/{:.0}/{:.0}/{:.0}",
+                "{:.0}/{:.0}/{:.0}/{:.0}{}",
                 n(&p["producer"]["cpu_us_per_event"]),
                 n(&p["consumer"]["cpu_us_per_event"]),
                 n(&p["relay"]["cpu_us_per_event"]),
-                n(&p["bench_clients"]["cpu_us_per_event"])
+                n(&p["bench_clients"]["cpu_us_per_event"]),
+                match p["postgres_server"]["cpu_us_per_event"].as_f64() {
+                    Some(server) => format!(" +pg {server:.0}"),
+                    None => String::new(),
+                }
             ),
         );
     }
     for r in doc["runs"].as_array().into_iter().flatten() {
         let dbs = &r["databases"];
         let word = |v: &Value| v.as_str().unwrap_or("?").to_owned();
+        if r["config"]["backend"] == "postgres" {
+            let server = &dbs["postgres_server"];
+            let _ = writeln!(
+                out,
+                "{}: PostgreSQL {} fsync={} full_page_writes={} wal_sync_method={}; synchronous_commit={} (producer) {} (relay) {} (consumer); verified={}",
+                r["label"].as_str().unwrap_or(""),
+                word(&server["server_version"]),
+                word(&server["fsync"]),
+                word(&server["full_page_writes"]),
+                word(&server["wal_sync_method"]),
+                word(&dbs["producer.db"]["producer"]["synchronous_commit"]),
+                word(&dbs["producer.db"]["relay"]["synchronous_commit"]),
+                word(&dbs["consumer.db"]["consumer"]["synchronous_commit"]),
+                r["verified"]["ok"],
+            );
+            continue;
+        }
         let _ = writeln!(
             out,
             "{}: producer.db journal_mode={} (file) synchronous={} (producer) {} (relay); consumer.db journal_mode={} (file) synchronous={} (consumer); verified={}",

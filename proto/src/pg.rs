@@ -393,21 +393,8 @@ pub mod testing {
         /// reached, unless [`REQUIRE_ENV`] is `1`: then it panics with the reason.
         pub fn create(label: &str) -> Option<TestDb> {
             let admin = std::env::var(URL_ENV).unwrap_or_else(|_| DEFAULT_URL.to_owned());
-            let label: String = label
-                .chars()
-                .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' })
-                .collect();
-            let name = format!(
-                "oe_{}_{}_{}",
-                &label[..label.len().min(30)],
-                std::process::id(),
-                NEXT.fetch_add(1, Ordering::Relaxed)
-            );
-            match on_own_runtime(admin.clone(), format!("CREATE DATABASE {name}")) {
-                Ok(()) => {
-                    let url = with_database(&admin, &name);
-                    Some(TestDb { admin, name, url })
-                }
+            match TestDb::create_on(&admin, label) {
+                Ok(db) => Some(db),
                 Err(reason) => {
                     if std::env::var(REQUIRE_ENV).as_deref() == Ok("1") {
                         panic!("PostgreSQL is required ({REQUIRE_ENV}=1) but unusable at {admin}: {reason}");
@@ -424,6 +411,25 @@ pub mod testing {
                     None
                 }
             }
+        }
+
+        /// Creates a database named after `label` on the server `admin` names (a URL allowed
+        /// to create databases), or says why it could not.
+        pub fn create_on(admin: &str, label: &str) -> Result<TestDb, String> {
+            let admin = admin.to_owned();
+            let label: String = label
+                .chars()
+                .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' })
+                .collect();
+            let name = format!(
+                "oe_{}_{}_{}",
+                &label[..label.len().min(30)],
+                std::process::id(),
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            );
+            on_own_runtime(admin.clone(), format!("CREATE DATABASE {name}"))?;
+            let url = with_database(&admin, &name);
+            Ok(TestDb { admin, name, url })
         }
 
         /// The test database's URL.
