@@ -49,13 +49,15 @@ const STEP_RETRIES: usize = 3;
 /// (rolled back to its savepoint). Each lost race is another applier's progress on the flow.
 const RACE_RETRIES: usize = 16;
 
-/// The schema (version 1). Trigger functions name their table with the schema, so a session
-/// with another `search_path` (psql) keeps the counter exact too.
+/// The schema (version 1). Ids compare bytewise (`COLLATE "C"`), as SQLite and the producer
+/// schema compare them, so flows page and list in the same order whatever the locale. Trigger
+/// functions name their table with the schema, so a session with another `search_path` (psql)
+/// keeps the counter exact too.
 const DDL: &str = "
 CREATE TABLE inbox(
     position BIGINT GENERATED ALWAYS AS IDENTITY UNIQUE,
-    event_id TEXT PRIMARY KEY,
-    flow_id TEXT NOT NULL,
+    event_id TEXT COLLATE \"C\" PRIMARY KEY,
+    flow_id TEXT COLLATE \"C\" NOT NULL,
     seq BIGINT NOT NULL CHECK(seq >= 1),
     kind TEXT NOT NULL,
     schema INTEGER NOT NULL,
@@ -72,7 +74,7 @@ CREATE TABLE inbox(
 -- Only unapplied rows are indexed: the backlog is counted and found without scanning history.
 CREATE INDEX inbox_unapplied ON inbox(flow_id, seq, state) WHERE state <> 'applied';
 CREATE TABLE projection(
-    flow_id TEXT PRIMARY KEY,
+    flow_id TEXT COLLATE \"C\" PRIMARY KEY,
     last_seq BIGINT NOT NULL CHECK(last_seq >= 1),
     state TEXT NOT NULL CHECK(state = 'reserved' OR state = 'confirmed' OR state = 'released'),
     held BIGINT NOT NULL,
@@ -81,8 +83,8 @@ CREATE TABLE projection(
 -- position order is apply order.
 CREATE TABLE effect(
     position BIGINT GENERATED ALWAYS AS IDENTITY UNIQUE,
-    event_id TEXT NOT NULL UNIQUE REFERENCES inbox(event_id),
-    flow_id TEXT NOT NULL,
+    event_id TEXT COLLATE \"C\" NOT NULL UNIQUE REFERENCES inbox(event_id),
+    flow_id TEXT COLLATE \"C\" NOT NULL,
     seq BIGINT NOT NULL CHECK(seq >= 1),
     kind TEXT NOT NULL,
     held BIGINT NOT NULL,
