@@ -146,7 +146,7 @@ pub async fn open(url: &PgUrl, kind: &PgKind, mode: OpenMode, pool_size: usize) 
     let target = url.to_string();
     let pool = pool(url, kind, pool_size)?;
     let mut client =
-        pool.get().await.map_err(|e| PgError::Connect { target: target.clone(), reason: e.to_string() })?;
+        pool.get().await.map_err(|e| PgError::Connect { target: target.clone(), reason: pool_error(&e) })?;
     let client_err = |what| {
         let target = target.clone();
         move |source| PgError::Client { target, what, source }
@@ -341,6 +341,15 @@ pub fn is_retryable(e: &tokio_postgres::Error) -> bool {
 /// True for a serialization failure or deadlock: the transaction can be run again as is.
 pub fn is_serialization_failure(e: &tokio_postgres::Error) -> bool {
     e.code().is_some_and(|c| c.code() == "40001" || c.code() == "40P01")
+}
+
+/// Why no connection could be had from a pool, with the server's own words when it refused
+/// (deadpool's text alone says only "Error occurred while creating a new object: db error").
+pub fn pool_error(e: &deadpool_postgres::PoolError) -> String {
+    match e {
+        deadpool_postgres::PoolError::Backend(e) => describe(e),
+        other => other.to_string(),
+    }
 }
 
 /// The error text for logs and statuses: the server's message, detail and hint when it sent
