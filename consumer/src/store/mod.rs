@@ -448,3 +448,95 @@ impl ConsumerStore {
 
 /// Reads the unapplied counter from a blocking thread.
 pub type UnappliedReader = Arc<dyn Fn() -> std::result::Result<u64, String> + Send + Sync>;
+
+/// One flow's progress while a group of flows is applied, in either backend.
+pub(crate) struct FlowRun {
+    pub(crate) flow_id: String,
+    /// Applied and committed.
+    pub(crate) committed: Vec<String>,
+    /// Applied inside the open transaction.
+    pub(crate) pending: Vec<String>,
+    /// Wrote anything (a step or a blocked mark) inside the open transaction.
+    pub(crate) wrote: bool,
+    pub(crate) end: Option<std::result::Result<(crate::apply::Stop, Projection), StoreError>>,
+}
+
+impl FlowRun {
+    /// Every flow of a group, none started.
+    pub(crate) fn all(flows: Vec<String>) -> Vec<FlowRun> {
+        flows
+            .into_iter()
+            .map(|flow_id| FlowRun {
+                flow_id,
+                committed: Vec::new(),
+                pending: Vec::new(),
+                wrote: false,
+                end: None,
+            })
+            .collect()
+    }
+}
+
+/// After one group transaction ended (`finished`: committed, or why not), the same for both
+/// backends: the storage watch hears of a commit that wrote or of the failure; on success
+/// every pending step counts as committed and `consumer.apply.after_commit` is reached if
+/// any step was applied; on failure every flow that wrote in it fails and keeps only what
+/// was committed before.
+pub(crate) fn settle(
+    runs: &mut [FlowRun],
+    finished: Result<()>,
+    started: std::time::Instant,
+    opts: &ApplyOptions,
+) {
+    let applied_any = runs.iter().any(|r| !r.pending.is_empty());
+    let wrote_any = runs.iter().any(|r| r.wrote);
+    if let Some(watch) = opts.storage {
+        match &finished {
+            Ok(()) if wrote_any => watch.commit_succeeded(),
+            Ok(()) => {}
+            Err(e) => watch.commit_failed(e),
+        }
+    }
+    match finished {
+        Ok(()) => {
+            if applied_any {
+                crate::apply::APPLY_BATCHES.record_timed(runs.iter().map(|r| r.pending.len()).sum(), started);
+            }
+            for run in runs.iter_mut() {
+                let pending = std::mem::take(&mut run.pending);
+                run.committed.extend(pending);
+                run.wrote = false;
+            }
+            if applied_any {
+                opts.crash.reach(proto::crash::CrashPoint::ConsumerApplyAfterCommit);
+            }
+        }
+        Err(e) => {
+            for run in runs.iter_mut().filter(|r| r.wrote) {
+                run.pending.clear();
+                run.wrote = false;
+                run.end = Some(Err(e.clone()));
+            }
+        }
+    }
+}
+
+/// Each flow's answer once its group is done.
+pub(crate) fn reports(runs: Vec<FlowRun>, opts: &ApplyOptions) -> Vec<FlowResult> {
+    use crate::apply::{ApplyFailure, ApplyReport};
+    runs.into_iter()
+        .map(|run| {
+            let outcome = match run.end {
+                Some(Ok((stop, projection))) => {
+                    Ok(ApplyReport { flow_id: run.flow_id.clone(), applied: run.committed, stop, projection })
+                }
+                Some(Err(source)) => Err(ApplyFailure { applied: run.committed, source }),
+                None => Err(ApplyFailure {
+                    applied: run.committed,
+                    source: StoreError::Inconsistent("apply stopped before this flow was reached".into()),
+                }),
+            };
+            crate::apply::finish(run.flow_id, outcome, opts)
+        })
+        .collect()
+}

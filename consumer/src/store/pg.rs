@@ -18,11 +18,11 @@ use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
 use super::{
-    Admission, Backlog, BatchAnswer, EffectRecord, FlowView, Identity, InboxRecord, InboxState, Incoming,
-    Next, RawInbox, ReceiveContext, ReceiveOutcome, Received, Result, StepOutcome, StoreError,
-    UnappliedReader, checked_projection,
+    Admission, Backlog, BatchAnswer, EffectRecord, FlowRun, FlowView, Identity, InboxRecord, InboxState,
+    Incoming, Next, RawInbox, ReceiveContext, ReceiveOutcome, Received, Result, StepOutcome, StoreError,
+    UnappliedReader, checked_projection, reports, settle,
 };
-use crate::apply::{ApplyFailure, ApplyOptions, ApplyReport, FlowResult, Stop};
+use crate::apply::{ApplyOptions, FlowResult, Stop};
 use crate::rules::{BlockReason, Decision, Projection, decide_next};
 use crate::storage::StorageWatch;
 
@@ -356,16 +356,7 @@ impl PgStore {
         max_steps: u32,
         opts: ApplyOptions,
     ) -> Vec<FlowResult> {
-        let mut runs: Vec<FlowRun> = flows
-            .into_iter()
-            .map(|flow_id| FlowRun {
-                flow_id,
-                committed: Vec::new(),
-                pending: Vec::new(),
-                wrote: false,
-                end: None,
-            })
-            .collect();
+        let mut runs = FlowRun::all(flows);
         let max_batch = opts.max_batch.max(1);
         let mut next = 0;
         while next < runs.len() {
@@ -415,7 +406,6 @@ impl PgStore {
                     }
                 }
             }
-            let applied_any = runs.iter().any(|r| !r.pending.is_empty());
             let wrote_any = runs.iter().any(|r| r.wrote);
             let finished = if let Some(e) = lost {
                 drop(tx);
@@ -434,55 +424,9 @@ impl PgStore {
                 Ok(())
             };
             drop(client);
-            if let Some(watch) = opts.storage {
-                match &finished {
-                    Ok(()) if wrote_any => watch.commit_succeeded(),
-                    Ok(()) => {}
-                    Err(e) => watch.commit_failed(e),
-                }
-            }
-            match finished {
-                Ok(()) => {
-                    if applied_any {
-                        crate::apply::APPLY_BATCHES
-                            .record_timed(runs.iter().map(|r| r.pending.len()).sum(), started);
-                    }
-                    for run in &mut runs {
-                        let pending = std::mem::take(&mut run.pending);
-                        run.committed.extend(pending);
-                        run.wrote = false;
-                    }
-                    if applied_any {
-                        opts.crash.reach(CrashPoint::ConsumerApplyAfterCommit);
-                    }
-                }
-                Err(e) => {
-                    for run in runs.iter_mut().filter(|r| r.wrote) {
-                        run.pending.clear();
-                        run.wrote = false;
-                        run.end = Some(Err(e.clone()));
-                    }
-                }
-            }
+            settle(&mut runs, finished, started, &opts);
         }
-        runs.into_iter()
-            .map(|run| {
-                let outcome = match run.end {
-                    Some(Ok((stop, projection))) => Ok(ApplyReport {
-                        flow_id: run.flow_id.clone(),
-                        applied: run.committed,
-                        stop,
-                        projection,
-                    }),
-                    Some(Err(source)) => Err(ApplyFailure { applied: run.committed, source }),
-                    None => Err(ApplyFailure {
-                        applied: run.committed,
-                        source: StoreError::Inconsistent("apply stopped before this flow was reached".into()),
-                    }),
-                };
-                crate::apply::finish(run.flow_id, outcome, &opts)
-            })
-            .collect()
+        reports(runs, &opts)
     }
 
     pub(crate) async fn flows_with_unapplied(&self, after: &str, limit: usize) -> Result<Vec<String>> {
@@ -617,18 +561,6 @@ fn fail_rest(runs: &mut [FlowRun], e: StoreError, opts: &ApplyOptions) {
     for run in runs {
         run.end = Some(Err(e.clone()));
     }
-}
-
-/// One flow's progress while a group runs.
-struct FlowRun {
-    flow_id: String,
-    /// Applied and committed.
-    committed: Vec<String>,
-    /// Applied inside the open transaction.
-    pending: Vec<String>,
-    /// Wrote anything (a step or a blocked mark) inside the open transaction.
-    wrote: bool,
-    end: Option<std::result::Result<(Stop, Projection), StoreError>>,
 }
 
 /// What one step inside the open transaction did.

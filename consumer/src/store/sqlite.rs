@@ -15,11 +15,11 @@ use runtime::blocking::{lock, with_locked};
 use rusqlite::{Connection, OptionalExtension, Transaction, params};
 
 use super::{
-    Admission, Backlog, BatchAnswer, EffectRecord, FlowView, Identity, InboxRecord, InboxState, Incoming,
-    Next, RawInbox, ReceiveContext, ReceiveOutcome, Received, Result, StepOutcome, StoreError,
-    UnappliedReader, checked_projection,
+    Admission, Backlog, BatchAnswer, EffectRecord, FlowRun, FlowView, Identity, InboxRecord, InboxState,
+    Incoming, Next, RawInbox, ReceiveContext, ReceiveOutcome, Received, Result, StepOutcome, StoreError,
+    UnappliedReader, checked_projection, reports, settle,
 };
-use crate::apply::{ApplyFailure, ApplyOptions, ApplyReport, FlowResult, Stop};
+use crate::apply::{ApplyFailure, ApplyOptions, FlowResult, Stop};
 use crate::rules::{BlockReason, Decision, Projection, decide_next};
 use crate::storage::StorageWatch;
 
@@ -360,21 +360,6 @@ fn receive_batch(conn: &mut Connection, jobs: &[Incoming], ctx: ReceiveContext) 
     results
 }
 
-/// One flow's progress while a group runs.
-struct FlowRun {
-    flow_id: String,
-    /// Applied and committed.
-    committed: Vec<String>,
-    /// Applied inside the open transaction.
-    pending: Vec<String>,
-    /// Wrote anything (a step or a blocked mark) inside the open transaction.
-    wrote: bool,
-    /// The projection this flow's last step wrote inside the open transaction (what a read
-    /// would return now); `None` at the start of each transaction, so it is read again.
-    known: Option<Projection>,
-    end: Option<std::result::Result<(Stop, Projection), StoreError>>,
-}
-
 /// What one step inside the open transaction did.
 enum Progress {
     Applied { event_id: String, after: Projection },
@@ -394,17 +379,10 @@ fn apply_flows(
     max_steps: u32,
     opts: ApplyOptions,
 ) -> Vec<FlowResult> {
-    let mut runs: Vec<FlowRun> = flows
-        .into_iter()
-        .map(|flow_id| FlowRun {
-            flow_id,
-            committed: Vec::new(),
-            pending: Vec::new(),
-            wrote: false,
-            known: None,
-            end: None,
-        })
-        .collect();
+    let mut runs = FlowRun::all(flows);
+    // The projection each flow's last step wrote inside the open transaction (what a read
+    // would return now); `None` at the start of each transaction, so it is read again.
+    let mut known: Vec<Option<Projection>> = vec![None; runs.len()];
     let max_batch = opts.max_batch.max(1);
     let mut next = 0;
     while next < runs.len() {
@@ -429,9 +407,9 @@ fn apply_flows(
         while next < runs.len() && steps < max_batch {
             let run = &mut runs[next];
             let budget_left = run.committed.len() + run.pending.len() < max_steps as usize;
-            match step_in_tx(&tx, &run.flow_id, run.known, budget_left, &opts) {
+            match step_in_tx(&tx, &run.flow_id, known[next], budget_left, &opts) {
                 Ok(Progress::Applied { event_id, after }) => {
-                    run.known = Some(after);
+                    known[next] = Some(after);
                     run.pending.push(event_id);
                     run.wrote = true;
                     steps += 1;
@@ -456,10 +434,7 @@ fn apply_flows(
                 }
             }
         }
-        for run in &mut runs {
-            run.known = None;
-        }
-        let applied_any = runs.iter().any(|r| !r.pending.is_empty());
+        known.fill(None);
         let wrote_any = runs.iter().any(|r| r.wrote);
         let finished = if let Some(e) = lost {
             drop(tx);
@@ -478,52 +453,9 @@ fn apply_flows(
             Ok(())
         };
         drop(guard);
-        if let Some(watch) = opts.storage {
-            match &finished {
-                Ok(()) if wrote_any => watch.commit_succeeded(),
-                Ok(()) => {}
-                Err(e) => watch.commit_failed(e),
-            }
-        }
-        match finished {
-            Ok(()) => {
-                if applied_any {
-                    crate::apply::APPLY_BATCHES
-                        .record_timed(runs.iter().map(|r| r.pending.len()).sum(), started);
-                }
-                for run in &mut runs {
-                    let pending = std::mem::take(&mut run.pending);
-                    run.committed.extend(pending);
-                    run.wrote = false;
-                }
-                if applied_any {
-                    opts.crash.reach(CrashPoint::ConsumerApplyAfterCommit);
-                }
-            }
-            Err(e) => {
-                for run in runs.iter_mut().filter(|r| r.wrote) {
-                    run.pending.clear();
-                    run.wrote = false;
-                    run.end = Some(Err(e.clone()));
-                }
-            }
-        }
+        settle(&mut runs, finished, started, &opts);
     }
-    runs.into_iter()
-        .map(|run| {
-            let outcome = match run.end {
-                Some(Ok((stop, projection))) => {
-                    Ok(ApplyReport { flow_id: run.flow_id.clone(), applied: run.committed, stop, projection })
-                }
-                Some(Err(source)) => Err(ApplyFailure { applied: run.committed, source }),
-                None => Err(ApplyFailure {
-                    applied: run.committed,
-                    source: StoreError::Inconsistent("apply stopped before this flow was reached".into()),
-                }),
-            };
-            crate::apply::finish(run.flow_id, outcome, &opts)
-        })
-        .collect()
+    reports(runs, &opts)
 }
 
 /// A failure outside a savepoint (a read): the transaction survives unless SQLite dropped it.
