@@ -34,8 +34,13 @@ macro_rules! inbox_columns {
 }
 
 /// The consumer's schema on PostgreSQL.
-pub const KIND: PgKind =
-    PgKind { name: "consumer", schema: "ordered_events_consumer", version: 1, ddl: DDL, upgrades: &[] };
+pub const KIND: PgKind = PgKind {
+    name: "consumer",
+    schema: "ordered_events_consumer",
+    version: 2,
+    ddl: DDL,
+    upgrades: &[UPGRADE_TO_2],
+};
 
 /// Connections in the pool: the Receive writer, the appliers (Apply, auto-apply), readers
 /// (GetFlow, ListStuck, Identify) and the metrics scrape each take one while they work.
@@ -49,15 +54,72 @@ const STEP_RETRIES: usize = 3;
 /// (rolled back to its savepoint). Each lost race is another applier's progress on the flow.
 const RACE_RETRIES: usize = 16;
 
-/// The schema (version 1). Ids compare bytewise (`COLLATE "C"`), as SQLite and the producer
+/// The backlog counter's triggers (version 2): one per statement, not per row, each adding
+/// the statement's net change of unapplied rows read from its transition tables. A batch
+/// written with one multi-row statement then moves the counter row once: version 1's row
+/// triggers rewrote that single row once per inbox row, and every transaction that touched
+/// the inbox queued behind its lock once per row. Any session (psql included) keeps it exact.
+macro_rules! backlog_triggers {
+    () => {
+        r#"
+CREATE FUNCTION backlog_inserted() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE n BIGINT;
+BEGIN
+    SELECT count(*) INTO n FROM added WHERE state <> 'applied';
+    IF n <> 0 THEN
+        UPDATE ordered_events_consumer.backlog SET unapplied = unapplied + n WHERE id = 1;
+    END IF;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER backlog_inserted AFTER INSERT ON inbox REFERENCING NEW TABLE AS added
+FOR EACH STATEMENT EXECUTE FUNCTION backlog_inserted();
+CREATE FUNCTION backlog_updated() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE n BIGINT;
+BEGIN
+    SELECT (SELECT count(*) FROM after_rows WHERE state <> 'applied')
+         - (SELECT count(*) FROM before_rows WHERE state <> 'applied') INTO n;
+    IF n <> 0 THEN
+        UPDATE ordered_events_consumer.backlog SET unapplied = unapplied + n WHERE id = 1;
+    END IF;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER backlog_updated AFTER UPDATE ON inbox
+REFERENCING OLD TABLE AS before_rows NEW TABLE AS after_rows
+FOR EACH STATEMENT EXECUTE FUNCTION backlog_updated();
+CREATE FUNCTION backlog_deleted() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE n BIGINT;
+BEGIN
+    SELECT count(*) INTO n FROM removed WHERE state <> 'applied';
+    IF n <> 0 THEN
+        UPDATE ordered_events_consumer.backlog SET unapplied = unapplied - n WHERE id = 1;
+    END IF;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER backlog_deleted AFTER DELETE ON inbox REFERENCING OLD TABLE AS removed
+FOR EACH STATEMENT EXECUTE FUNCTION backlog_deleted();
+"#
+    };
+}
+
+/// Version 1 to 2: the per-row counter triggers become per-statement ones.
+const UPGRADE_TO_2: &str = concat!(
+    "DROP TRIGGER backlog_insert ON inbox;
+     DROP TRIGGER backlog_applied ON inbox;
+     DROP FUNCTION backlog_insert();
+     DROP FUNCTION backlog_applied();",
+    backlog_triggers!()
+);
+
+/// The schema (version 2). Ids compare bytewise (`COLLATE "C"`), as SQLite and the producer
 /// schema compare them, so flows page and list in the same order whatever the locale. Trigger
 /// functions name their table with the schema, so a session with another `search_path` (psql)
 /// keeps the counter exact too.
-const DDL: &str = "
+const DDL: &str = concat!(
+    r#"
 CREATE TABLE inbox(
     position BIGINT GENERATED ALWAYS AS IDENTITY UNIQUE,
-    event_id TEXT COLLATE \"C\" PRIMARY KEY,
-    flow_id TEXT COLLATE \"C\" NOT NULL,
+    event_id TEXT COLLATE "C" PRIMARY KEY,
+    flow_id TEXT COLLATE "C" NOT NULL,
     seq BIGINT NOT NULL CHECK(seq >= 1),
     kind TEXT NOT NULL,
     schema INTEGER NOT NULL,
@@ -74,7 +136,7 @@ CREATE TABLE inbox(
 -- Only unapplied rows are indexed: the backlog is counted and found without scanning history.
 CREATE INDEX inbox_unapplied ON inbox(flow_id, seq, state) WHERE state <> 'applied';
 CREATE TABLE projection(
-    flow_id TEXT COLLATE \"C\" PRIMARY KEY,
+    flow_id TEXT COLLATE "C" PRIMARY KEY,
     last_seq BIGINT NOT NULL CHECK(last_seq >= 1),
     state TEXT NOT NULL CHECK(state = 'reserved' OR state = 'confirmed' OR state = 'released'),
     held BIGINT NOT NULL,
@@ -83,8 +145,8 @@ CREATE TABLE projection(
 -- position order is apply order.
 CREATE TABLE effect(
     position BIGINT GENERATED ALWAYS AS IDENTITY UNIQUE,
-    event_id TEXT COLLATE \"C\" NOT NULL UNIQUE REFERENCES inbox(event_id),
-    flow_id TEXT COLLATE \"C\" NOT NULL,
+    event_id TEXT COLLATE "C" NOT NULL UNIQUE REFERENCES inbox(event_id),
+    flow_id TEXT COLLATE "C" NOT NULL,
     seq BIGINT NOT NULL CHECK(seq >= 1),
     kind TEXT NOT NULL,
     held BIGINT NOT NULL,
@@ -104,21 +166,9 @@ CREATE TABLE probe(
     probed_at_us BIGINT
 );
 INSERT INTO probe(id, probed_at_us) VALUES (1, NULL);
-CREATE FUNCTION backlog_insert() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    UPDATE ordered_events_consumer.backlog SET unapplied = unapplied + 1 WHERE id = 1;
-    RETURN NULL;
-END $$;
-CREATE TRIGGER backlog_insert AFTER INSERT ON inbox
-FOR EACH ROW WHEN (NEW.state <> 'applied') EXECUTE FUNCTION backlog_insert();
-CREATE FUNCTION backlog_applied() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    UPDATE ordered_events_consumer.backlog SET unapplied = unapplied - 1 WHERE id = 1;
-    RETURN NULL;
-END $$;
-CREATE TRIGGER backlog_applied AFTER UPDATE OF state ON inbox
-FOR EACH ROW WHEN (OLD.state <> 'applied' AND NEW.state = 'applied') EXECUTE FUNCTION backlog_applied();
-";
+"#,
+    backlog_triggers!()
+);
 
 impl From<tokio_postgres::Error> for StoreError {
     /// A deadlock, serialization failure or lock timeout is contention (retryable); a lost
@@ -236,6 +286,31 @@ impl PgStore {
             Err(e) => return fail_all(e),
         };
         let mut next = 0;
+        if pipelined {
+            // The fast path: the whole batch in one multi-row insert. Should any envelope
+            // fail or need a closer look, it is undone and the batch goes envelope by
+            // envelope below, exactly as before.
+            let live: Vec<usize> = (0..jobs.len()).filter(|&i| !jobs[i].stream.failed()).collect();
+            let events: Vec<&Event> = live.iter().map(|&i| &jobs[i].event).collect();
+            match insert_all(&tx, &events, runtime::now_us()).await {
+                Ok(Some(decided)) => {
+                    results.resize(jobs.len(), None);
+                    for (&i, answer) in live.iter().zip(decided) {
+                        inserted |= answer.outcome == ReceiveOutcome::Accepted;
+                        results[i] = Some(Ok(answer));
+                    }
+                    if inserted {
+                        ctx.crash.reach(CrashPoint::ConsumerReceiveAfterInsert);
+                    }
+                    next = jobs.len();
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    drop(tx);
+                    return fail_all(e);
+                }
+            }
+        }
         let mut busy_retries = 0;
         while next < jobs.len() {
             if pipelined {
@@ -358,6 +433,9 @@ impl PgStore {
     ) -> Vec<FlowResult> {
         let mut runs = FlowRun::all(flows);
         let max_batch = opts.max_batch.max(1);
+        // The crash points between a step's writes need the step-by-step path.
+        let fast = !opts.crash.is_armed_at(CrashPoint::ConsumerApplyAfterProjection)
+            && !opts.crash.is_armed_at(CrashPoint::ConsumerApplyAfterEffect);
         let mut next = 0;
         while next < runs.len() {
             let started = std::time::Instant::now();
@@ -377,7 +455,23 @@ impl PgStore {
             };
             let mut steps = 0;
             let mut lost = None;
-            while next < runs.len() && steps < max_batch {
+            // The group decided and written by the fast path goes straight to its commit.
+            let mut written = false;
+            if fast {
+                match apply_fast(&tx, &mut runs, next, max_steps, max_batch, &opts).await {
+                    Ok(Some(after)) => {
+                        next = after;
+                        written = true;
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        lost = Some(e.clone());
+                        runs[next].end = Some(Err(e));
+                        next += 1;
+                    }
+                }
+            }
+            while !written && lost.is_none() && next < runs.len() && steps < max_batch {
                 let run = &mut runs[next];
                 let budget_left = run.committed.len() + run.pending.len() < max_steps as usize;
                 match step_in_tx(&tx, &run.flow_id, budget_left, &opts).await {
@@ -561,6 +655,314 @@ fn fail_rest(runs: &mut [FlowRun], e: StoreError, opts: &ApplyOptions) {
     for run in runs {
         run.end = Some(Err(e.clone()));
     }
+}
+
+/// A group's flows, their projections and up to `$2` unapplied rows after each projection,
+/// in one statement (one snapshot): flows in the order given, rows in seq order; a flow with
+/// no such row comes once with NULL row columns.
+const READ_GROUP_SQL: &str = concat!(
+    "SELECT f.n, p.last_seq, p.state, p.held, p.amount, ",
+    inbox_columns!(),
+    " FROM unnest($1::text[]) WITH ORDINALITY AS f(flow_id, n)
+      LEFT JOIN projection p ON p.flow_id = f.flow_id
+      LEFT JOIN LATERAL (
+          SELECT event_id, flow_id, seq, kind, schema, body, state, reason FROM inbox
+          WHERE inbox.flow_id = f.flow_id AND inbox.state <> 'applied'
+            AND inbox.seq > coalesce(p.last_seq, 0)
+          ORDER BY seq LIMIT $2) i ON true
+      ORDER BY f.n, i.seq"
+);
+
+/// What the fast path decided for one flow of a group.
+struct Planned {
+    /// Index into the group's runs.
+    run: usize,
+    /// The projection read.
+    from: Projection,
+    /// The projection after the steps below.
+    after: Projection,
+    /// Applied steps in seq order: (event_id, seq, kind, held after it).
+    steps: Vec<(String, u64, proto::flow::Kind, i64)>,
+    /// A blocked mark to write (the row's event id and the reason).
+    block: Option<(String, BlockReason)>,
+    /// Why the flow stopped; `None` when the group filled up first (it goes on next group).
+    end: Option<Stop>,
+}
+
+/// The apply fast path for the flows from `runs[first]` on: one read of every flow's
+/// projection and waiting rows, decisions in memory exactly as step-by-step would make
+/// them (same step, limit and batch rules), then every write of the group in one round trip
+/// of multi-row statements, each compare-and-set counted. Returns the index of the first
+/// flow not finished. `Ok(None)` when anything is not as read (another applier moved a
+/// flow, a trigger refused a write, a stored row does not parse): the savepoint is rolled
+/// back, nothing of the group is written, and the step-by-step path takes over and reports
+/// each flow as it always did. `Err` when the transaction is lost.
+async fn apply_fast(
+    tx: &Transaction<'_>,
+    runs: &mut [FlowRun],
+    first: usize,
+    max_steps: u32,
+    max_batch: usize,
+    opts: &ApplyOptions,
+) -> std::result::Result<Option<usize>, StoreError> {
+    let count = (runs.len() - first).min(max_batch);
+    let flows: Vec<&str> = runs[first..first + count].iter().map(|r| r.flow_id.as_str()).collect();
+    let per_flow = big((max_steps as u64).min(max_batch as u64) + 1);
+    let read = tx.prepare_cached(READ_GROUP_SQL).await?;
+    let params: [&(dyn ToSql + Sync); 2] = [&flows, &per_flow];
+    let statements: Vec<PipedFuture<'_, Vec<Row>>> = vec![
+        Box::pin(async { tx.batch_execute("SAVEPOINT group_fast").await.map(|()| Vec::new()) }),
+        Box::pin(tx.query(&read, &params)),
+    ];
+    let mut answers = in_order(statements).await.into_iter();
+    answers.next().unwrap_or(Ok(Vec::new()))?;
+    let rows = match answers.next().unwrap_or(Ok(Vec::new())) {
+        Ok(rows) => rows,
+        Err(e) => return undo_group(tx, classify(&e)).await,
+    };
+    let Some(plans) = plan_group(&rows, &runs[first..first + count], max_steps, max_batch, opts) else {
+        return undo_group(tx, StoreError::Busy("a stored row needs the step-by-step path".into())).await;
+    };
+    if let Err(e) = write_group(tx, &plans, &runs[first..], runtime::now_us()).await {
+        return undo_group(tx, e).await;
+    }
+    let mut after = first;
+    for plan in plans {
+        let run = &mut runs[first + plan.run];
+        if let Some((event_id, reason)) = &plan.block {
+            if let Some(Stop::Blocked { detail, .. }) = &plan.end {
+                tracing::warn!(
+                    flow_id = %run.flow_id,
+                    %event_id,
+                    seq = plan.after.last_seq + 1,
+                    reason = reason.as_str(),
+                    %detail,
+                    "event blocked: kept stored, re-evaluated on every Apply"
+                );
+            }
+        }
+        run.wrote |= !plan.steps.is_empty() || plan.block.is_some();
+        for (event_id, seq, _, _) in plan.steps {
+            tracing::debug!(flow_id = %run.flow_id, %event_id, seq, "applied");
+            run.pending.push(event_id);
+        }
+        if let Some(stop) = plan.end {
+            run.end = Some(Ok((stop, plan.after)));
+            after = first + plan.run + 1;
+        }
+    }
+    Ok(Some(after))
+}
+
+/// Rolls the group's savepoint back after `e`: `Ok(None)` (go step by step), or the
+/// transaction is lost when the server is gone or the rollback fails.
+async fn undo_group<T>(tx: &Transaction<'_>, e: StoreError) -> std::result::Result<Option<T>, StoreError> {
+    if matches!(e, StoreError::Unavailable(_)) {
+        return Err(e);
+    }
+    tracing::debug!(error = %e, "apply: the group's fast path is undone; going step by step");
+    tx.batch_execute("ROLLBACK TO SAVEPOINT group_fast; RELEASE SAVEPOINT group_fast").await?;
+    Ok(None)
+}
+
+/// The decisions of [`apply_fast`], from the rows of [`READ_GROUP_SQL`]. `None` when a row
+/// is not what this store writes (the step-by-step path reports it).
+fn plan_group(
+    rows: &[Row],
+    runs: &[FlowRun],
+    max_steps: u32,
+    max_batch: usize,
+    opts: &ApplyOptions,
+) -> Option<Vec<Planned>> {
+    let per_flow = (max_steps as usize).min(max_batch) + 1;
+    let mut plans = Vec::new();
+    let mut steps = 0;
+    let mut at = 0;
+    for (k, run) in runs.iter().enumerate() {
+        let n = k as i64 + 1;
+        let flow_rows: Vec<&Row> = rows[at..].iter().take_while(|r| r.get::<_, i64>(0) == n).collect();
+        at += flow_rows.len();
+        if flow_rows.is_empty() {
+            return None;
+        }
+        let from = checked_projection(&run.flow_id, projection_columns(flow_rows[0], 1)).ok()?;
+        let waiting: Vec<InboxRecord> = flow_rows
+            .iter()
+            .filter(|r| r.get::<_, Option<String>>(5).is_some())
+            .map(|r| raw_inbox(r, 5).check())
+            .collect::<Result<_>>()
+            .ok()?;
+        let mut plan = Planned { run: k, from, after: from, steps: Vec::new(), block: None, end: None };
+        let mut waiting = waiting.into_iter();
+        let group_full = loop {
+            if steps >= max_batch {
+                break true;
+            }
+            let Some(row) = waiting.next() else {
+                if plan.steps.len() + 1 >= per_flow {
+                    // Every row read was applied: what follows is unknown.
+                    return None;
+                }
+                plan.end = Some(Stop::Idle);
+                break false;
+            };
+            if row.seq != plan.after.next_seq() {
+                plan.end = Some(Stop::Gap { waiting_for_seq: plan.after.next_seq() });
+                break false;
+            }
+            if run.committed.len() + plan.steps.len() >= max_steps as usize {
+                plan.end = Some(Stop::Limit);
+                break false;
+            }
+            let event = Event::from_canonical_body(&row.body).ok()?;
+            match decide_next(&plan.after, &event, opts.support_v2) {
+                Decision::Block { reason, detail } => {
+                    if row.state != InboxState::Blocked || row.reason != Some(reason) {
+                        plan.block = Some((row.event_id.clone(), reason));
+                        steps += 1;
+                    }
+                    plan.end = Some(Stop::Blocked { event_id: row.event_id, reason, detail });
+                    break false;
+                }
+                Decision::Apply { kind, after } => {
+                    if after.last_seq != row.seq {
+                        return None;
+                    }
+                    plan.steps.push((row.event_id, row.seq, kind, after.held));
+                    plan.after = after;
+                    steps += 1;
+                }
+            }
+        };
+        plans.push(plan);
+        if group_full {
+            break;
+        }
+    }
+    Some(plans)
+}
+
+/// Every write of a planned group in one round trip: the projections' compare-and-sets
+/// first (they take the flows' row locks), then the effects in apply order, the applied
+/// marks and the blocked marks. Each statement's row count must be exactly the planned one,
+/// else (another applier moved a flow) the group is not written as planned: `Busy`.
+async fn write_group(tx: &Transaction<'_>, plans: &[Planned], runs: &[FlowRun], now_us: i64) -> Result<()> {
+    let flow = |p: &Planned| runs[p.run].flow_id.as_str();
+    let moved: Vec<&Planned> = plans.iter().filter(|p| !p.steps.is_empty()).collect();
+    let (new, old): (Vec<&Planned>, Vec<&Planned>) =
+        moved.iter().copied().partition(|p| p.from == Projection::NEW);
+    let columns = |ps: &[&Planned]| {
+        (
+            ps.iter().map(|p| flow(p)).collect::<Vec<&str>>(),
+            ps.iter().map(|p| big(p.after.last_seq)).collect::<Vec<i64>>(),
+            ps.iter().map(|p| p.after.state.as_str()).collect::<Vec<&str>>(),
+            ps.iter().map(|p| p.after.held).collect::<Vec<i64>>(),
+            ps.iter().map(|p| p.after.amount).collect::<Vec<i64>>(),
+        )
+    };
+    let (n_flows, n_seq, n_state, n_held, n_amount) = columns(&new);
+    let (o_flows, o_seq, o_state, o_held, o_amount) = columns(&old);
+    let o_from_seq: Vec<i64> = old.iter().map(|p| big(p.from.last_seq)).collect();
+    let o_from_state: Vec<&str> = old.iter().map(|p| p.from.state.as_str()).collect();
+    let o_from_held: Vec<i64> = old.iter().map(|p| p.from.held).collect();
+    let o_from_amount: Vec<i64> = old.iter().map(|p| p.from.amount).collect();
+    let mut e_ids = Vec::new();
+    let mut e_flows = Vec::new();
+    let mut e_seqs = Vec::new();
+    let mut e_kinds = Vec::new();
+    let mut e_held = Vec::new();
+    for p in &moved {
+        for (event_id, seq, kind, held) in &p.steps {
+            e_ids.push(event_id.as_str());
+            e_flows.push(flow(p));
+            e_seqs.push(big(*seq));
+            e_kinds.push(kind.as_str());
+            e_held.push(*held);
+        }
+    }
+    let blocks: Vec<&(String, BlockReason)> = plans.iter().filter_map(|p| p.block.as_ref()).collect();
+    let b_ids: Vec<&str> = blocks.iter().map(|b| b.0.as_str()).collect();
+    let b_reasons: Vec<&str> = blocks.iter().map(|b| b.1.as_str()).collect();
+
+    let insert_projections = tx
+        .prepare_cached(
+            "INSERT INTO projection(flow_id, last_seq, state, held, amount)
+             SELECT * FROM unnest($1::text[], $2::bigint[], $3::text[], $4::bigint[], $5::bigint[])
+             ON CONFLICT(flow_id) DO NOTHING",
+        )
+        .await?;
+    let update_projections = tx
+        .prepare_cached(
+            "UPDATE projection p SET last_seq = u.s, state = u.st, held = u.h, amount = u.a
+             FROM unnest($1::text[], $2::bigint[], $3::text[], $4::bigint[], $5::bigint[],
+                         $6::bigint[], $7::text[], $8::bigint[], $9::bigint[])
+                  AS u(f, s, st, h, a, fs, fst, fh, fa)
+             WHERE p.flow_id = u.f AND p.last_seq = u.fs AND p.state = u.fst AND p.held = u.fh
+               AND p.amount = u.fa",
+        )
+        .await?;
+    let insert_effects = tx
+        .prepare_cached(
+            "INSERT INTO effect(event_id, flow_id, seq, kind, held, applied_at_us)
+             SELECT e, f, s, k, h, $6
+             FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $5::bigint[])
+                  WITH ORDINALITY AS t(e, f, s, k, h, n)
+             ORDER BY n",
+        )
+        .await?;
+    let mark_applied = tx
+        .prepare_cached(
+            "UPDATE inbox SET state = 'applied', reason = NULL, applied_at_us = $2
+             WHERE event_id = ANY($1::text[]) AND state <> 'applied'",
+        )
+        .await?;
+    let mark_blocked = tx
+        .prepare_cached(
+            "UPDATE inbox SET state = 'blocked', reason = u.r
+             FROM unnest($1::text[], $2::text[]) AS u(e, r)
+             WHERE inbox.event_id = u.e AND inbox.state <> 'applied'
+               AND (inbox.state <> 'blocked' OR inbox.reason IS DISTINCT FROM u.r)",
+        )
+        .await?;
+    let p_new: [&(dyn ToSql + Sync); 5] = [&n_flows, &n_seq, &n_state, &n_held, &n_amount];
+    let p_old: [&(dyn ToSql + Sync); 9] = [
+        &o_flows,
+        &o_seq,
+        &o_state,
+        &o_held,
+        &o_amount,
+        &o_from_seq,
+        &o_from_state,
+        &o_from_held,
+        &o_from_amount,
+    ];
+    let p_effects: [&(dyn ToSql + Sync); 6] = [&e_ids, &e_flows, &e_seqs, &e_kinds, &e_held, &now_us];
+    let p_applied: [&(dyn ToSql + Sync); 2] = [&e_ids, &now_us];
+    let p_blocked: [&(dyn ToSql + Sync); 2] = [&b_ids, &b_reasons];
+    let mut writes: Vec<(PipedFuture<'_, u64>, usize)> = Vec::new();
+    if !new.is_empty() {
+        writes.push((Box::pin(tx.execute(&insert_projections, &p_new)), new.len()));
+    }
+    if !old.is_empty() {
+        writes.push((Box::pin(tx.execute(&update_projections, &p_old)), old.len()));
+    }
+    if !e_ids.is_empty() {
+        writes.push((Box::pin(tx.execute(&insert_effects, &p_effects)), e_ids.len()));
+        writes.push((Box::pin(tx.execute(&mark_applied, &p_applied)), e_ids.len()));
+    }
+    if !b_ids.is_empty() {
+        writes.push((Box::pin(tx.execute(&mark_blocked, &p_blocked)), b_ids.len()));
+    }
+    let (statements, expected): (Vec<_>, Vec<usize>) = writes.into_iter().unzip();
+    for (answer, expected) in in_order(statements).await.into_iter().zip(expected) {
+        let written = answer?;
+        if written != expected as u64 {
+            return Err(StoreError::Busy(format!(
+                "a group write touched {written} rows where {expected} were planned: another applier moved"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// What one step inside the open transaction did.
@@ -971,6 +1373,134 @@ async fn pipeline(
         });
     }
     (decided, None)
+}
+
+/// The whole batch as one statement, rows in batch order (so positions are arrival order
+/// and a later envelope meets an earlier one exactly as if each were inserted alone).
+const INSERT_ALL_SQL: &str =
+    "INSERT INTO inbox(event_id, flow_id, seq, kind, schema, body, state, received_at_us)
+     SELECT e, f, s, k, sc, b, 'pending', $7
+     FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $5::integer[], $6::text[])
+          WITH ORDINALITY AS t(e, f, s, k, sc, b, n)
+     ORDER BY n
+     ON CONFLICT DO NOTHING RETURNING event_id, position";
+
+/// For each envelope the insert skipped: what holds its event id (body, position) and its
+/// (flow_id, seq), read after the insert.
+const HOLDERS_SQL: &str = "SELECT i1.event_id, i1.body, i1.position, i2.event_id
+     FROM unnest($1::text[], $2::text[], $3::bigint[]) WITH ORDINALITY AS t(e, f, s, n)
+     LEFT JOIN inbox i1 ON i1.event_id = t.e
+     LEFT JOIN inbox i2 ON i2.flow_id = t.f AND i2.seq = t.s
+     ORDER BY t.n";
+
+/// SPEC §6 for `events` in order with one multi-row insert under one savepoint and, only
+/// when some envelope was not inserted, one read of what holds their ids and seqs. The
+/// skipped envelopes are decided in memory as they would have been alone at their turn:
+/// a row this batch inserted for a LATER envelope did not exist yet at an earlier one's
+/// turn. `Ok(None)` when the statement failed (a trigger, a constraint) or a decision needs
+/// the envelope-by-envelope path: the savepoint is rolled back and nothing was written.
+async fn insert_all(
+    tx: &Transaction<'_>,
+    events: &[&Event],
+    now_us: i64,
+) -> std::result::Result<Option<Vec<Received>>, StoreError> {
+    if events.is_empty() {
+        return Ok(Some(Vec::new()));
+    }
+    let statement = tx.prepare_cached(INSERT_ALL_SQL).await?;
+    let bodies: Vec<String> = events.iter().map(|e| e.canonical_body()).collect();
+    let ids: Vec<&str> = events.iter().map(|e| e.event_id.as_str()).collect();
+    let flows: Vec<&str> = events.iter().map(|e| e.flow_id.as_str()).collect();
+    let seqs: Vec<i64> = events.iter().map(|e| big(e.seq)).collect();
+    let kinds: Vec<&str> = events.iter().map(|e| e.kind.as_str()).collect();
+    let schemas: Vec<i32> = events.iter().map(|e| schema_column(e.schema)).collect();
+    let params: [&(dyn ToSql + Sync); 7] = [&ids, &flows, &seqs, &kinds, &schemas, &bodies, &now_us];
+    let statements: Vec<PipedFuture<'_, Vec<Row>>> = vec![
+        Box::pin(async { tx.batch_execute("SAVEPOINT batch").await.map(|()| Vec::new()) }),
+        Box::pin(tx.query(&statement, &params)),
+    ];
+    let mut answers = in_order(statements).await.into_iter();
+    answers.next().unwrap_or(Ok(Vec::new()))?;
+    let rows = match answers.next().unwrap_or(Ok(Vec::new())) {
+        Ok(rows) => rows,
+        Err(e) => return undo_batch(tx, classify(&e)).await,
+    };
+    // Event ids are unique among inserted rows: where each envelope's row went.
+    let mut stored: std::collections::HashMap<String, (usize, u64)> = std::collections::HashMap::new();
+    let by_id: std::collections::HashMap<&str, usize> =
+        ids.iter().enumerate().rev().map(|(k, id)| (*id, k)).collect();
+    for row in &rows {
+        let id: String = row.get(0);
+        let position = unsigned(row.get(1));
+        // The first envelope with this id is the one that was inserted (a later one with
+        // the same id met it and was skipped).
+        let Some(&k) = by_id.get(id.as_str()) else { return undo_batch(tx, inconsistent_insert()).await };
+        stored.insert(id, (k, position));
+    }
+    let mut decided: Vec<Option<Received>> = (0..events.len())
+        .map(|k| {
+            stored
+                .get(ids[k])
+                .filter(|(at, _)| *at == k)
+                .map(|&(_, position)| Received { outcome: ReceiveOutcome::Accepted, position })
+        })
+        .collect();
+    let skipped: Vec<usize> = (0..events.len()).filter(|&k| decided[k].is_none()).collect();
+    if skipped.is_empty() {
+        return Ok(Some(decided.into_iter().flatten().collect()));
+    }
+    let holders = tx.prepare_cached(HOLDERS_SQL).await?;
+    let s_ids: Vec<&str> = skipped.iter().map(|&k| ids[k]).collect();
+    let s_flows: Vec<&str> = skipped.iter().map(|&k| flows[k]).collect();
+    let s_seqs: Vec<i64> = skipped.iter().map(|&k| seqs[k]).collect();
+    let read = match tx.query(&holders, &[&s_ids, &s_flows, &s_seqs]).await {
+        Ok(rows) => rows,
+        Err(e) => return undo_batch(tx, classify(&e)).await,
+    };
+    if read.len() != skipped.len() {
+        return undo_batch(tx, inconsistent_insert()).await;
+    }
+    // A row this batch inserted for envelope `at` existed at envelope k's turn only if at < k.
+    let existed_at = |id: &str, k: usize| stored.get(id).is_none_or(|&(at, _)| at < k);
+    for (&k, row) in skipped.iter().zip(&read) {
+        let id_holder: Option<String> = row.get(0);
+        let seq_holder: Option<String> = row.get(3);
+        let answer = match id_holder {
+            Some(holder) if existed_at(&holder, k) => {
+                let body: String = row.get(1);
+                if body == bodies[k] {
+                    Received { outcome: ReceiveOutcome::Duplicate, position: unsigned(row.get(2)) }
+                } else {
+                    Received { outcome: ReceiveOutcome::IdConflict, position: 0 }
+                }
+            }
+            _ => match seq_holder {
+                Some(held_by) if existed_at(&held_by, k) => {
+                    Received { outcome: ReceiveOutcome::SequenceConflict { held_by }, position: 0 }
+                }
+                // Neither was taken at its turn, yet it was not inserted: let the
+                // envelope-by-envelope path say what it is.
+                _ => return undo_batch(tx, inconsistent_insert()).await,
+            },
+        };
+        decided[k] = Some(answer);
+    }
+    Ok(Some(decided.into_iter().flatten().collect()))
+}
+
+fn inconsistent_insert() -> StoreError {
+    StoreError::Inconsistent("a batch insert skipped an envelope nothing explains".into())
+}
+
+/// Rolls the batch's savepoint back after `e`: `Ok(None)` (decide envelope by envelope), or
+/// the transaction is lost when the server is gone or the rollback fails.
+async fn undo_batch<T>(tx: &Transaction<'_>, e: StoreError) -> std::result::Result<Option<T>, StoreError> {
+    if matches!(e, StoreError::Unavailable(_)) {
+        return Err(e);
+    }
+    tracing::debug!(error = %e, "receive: the batch insert is undone; deciding envelope by envelope");
+    tx.batch_execute("ROLLBACK TO SAVEPOINT batch; RELEASE SAVEPOINT batch").await?;
+    Ok(None)
 }
 
 /// What the stored rows (read right after an insert that stored nothing) say about `event`.

@@ -753,8 +753,9 @@ async fn advance_batch(
 
 /// The fast path of a batch: every call decided in queue order on what the batch read (each
 /// write applied to that view, as it would be after its commit), then every write sent at
-/// once in ONE round trip (pipelined on the connection), inside a savepoint of the whole batch: one statement per call
-/// moves the flow by compare-and-set and inserts the event only if the flow moved. `None`
+/// once in ONE round trip, inside a savepoint of the whole batch: three multi-row
+/// statements, each flow moved once by compare-and-set from the seq read, every event
+/// inserted, and each statement's row count checked against the plan. `None`
 /// when any write failed (a trigger, a unique violation) or found its flow moved: the
 /// savepoint is rolled back and the caller runs the batch call by call, so a failing call
 /// still fails alone. Used only when neither pre-commit crash point is armed, since it
@@ -788,52 +789,74 @@ async fn advance_pipelined(
     if writes.is_empty() {
         return Ok(Some((results, 0)));
     }
-    let stmt = client
+    // Each flow moves once, from the seq the batch read to its last write's state; a new
+    // flow is inserted (a concurrent insert makes it skip), a known one moved by
+    // compare-and-set. Then every event in one insert, in queue order.
+    let mut moves: Vec<(&str, i64, &FlowRecord)> = Vec::new();
+    let mut at: HashMap<&str, usize> = HashMap::new();
+    for (from, flow, event) in &writes {
+        match at.get(event.flow_id.as_str()) {
+            Some(&k) => moves[k].2 = flow,
+            None => {
+                at.insert(event.flow_id.as_str(), moves.len());
+                moves.push((event.flow_id.as_str(), *from, flow));
+            }
+        }
+    }
+    let (new, old): (Vec<&(&str, i64, &FlowRecord)>, Vec<_>) = moves.iter().partition(|m| m.1 == 0);
+    let n_flows: Vec<&str> = new.iter().map(|m| m.0).collect();
+    let n_seqs: Vec<i64> = new.iter().map(|m| seq_param(m.2.seq)).collect::<Result<_, _>>()?;
+    let n_states: Vec<&str> = new.iter().map(|m| m.2.state.as_str()).collect();
+    let n_amounts: Vec<i64> = new.iter().map(|m| m.2.amount).collect();
+    let o_flows: Vec<&str> = old.iter().map(|m| m.0).collect();
+    let o_seqs: Vec<i64> = old.iter().map(|m| seq_param(m.2.seq)).collect::<Result<_, _>>()?;
+    let o_states: Vec<&str> = old.iter().map(|m| m.2.state.as_str()).collect();
+    let o_from: Vec<i64> = old.iter().map(|m| m.1).collect();
+    let e_ids: Vec<&str> = writes.iter().map(|w| w.2.event_id.as_str()).collect();
+    let e_flows: Vec<&str> = writes.iter().map(|w| w.2.flow_id.as_str()).collect();
+    let e_seqs: Vec<i64> = writes.iter().map(|w| seq_param(w.2.seq)).collect::<Result<_, _>>()?;
+    let e_kinds: Vec<&str> = writes.iter().map(|w| w.2.kind.as_str()).collect();
+    let e_schemas: Vec<i32> = writes.iter().map(|w| i32::try_from(w.2.schema).unwrap_or(i32::MAX)).collect();
+    let e_bodies: Vec<&str> = writes.iter().map(|w| w.2.body.as_str()).collect();
+    let now = runtime::now_us();
+    let insert_flows = client
         .prepare_cached(
-            "WITH moved AS (
-                 INSERT INTO flow(flow_id, seq, state, amount) VALUES ($2, $3, $8, $9)
-                 ON CONFLICT (flow_id) DO UPDATE SET seq = excluded.seq, state = excluded.state
-                 WHERE flow.seq = $10
-                 RETURNING flow_id)
-             INSERT INTO outbox(event_id, flow_id, seq, kind, schema, body, committed_at_us)
-             SELECT $1::text, flow_id, $3::bigint, $4::text, $5::integer, $6::text, $7::bigint FROM moved",
+            "INSERT INTO flow(flow_id, seq, state, amount)
+             SELECT * FROM unnest($1::text[], $2::bigint[], $3::text[], $4::bigint[])
+             ON CONFLICT (flow_id) DO NOTHING",
         )
         .await?;
-    let now = runtime::now_us();
-    let values: Vec<_> = writes
-        .iter()
-        .map(|(from, flow, event)| {
-            let seq = i64::try_from(event.seq).unwrap_or(i64::MAX);
-            let schema = i32::try_from(event.schema).unwrap_or(i32::MAX);
-            (from, seq, schema, flow.state.as_str(), flow.amount, event)
-        })
-        .collect();
-    let bound: Vec<Params<'_, 10>> = values
-        .iter()
-        .map(|(from, seq, schema, state, amount, event)| -> Params<'_, 10> {
-            [
-                &event.event_id,
-                &event.flow_id,
-                seq,
-                &event.kind,
-                schema,
-                &event.body,
-                &now,
-                state,
-                amount,
-                *from,
-            ]
-        })
-        .collect();
-    let (saved, inserted) = futures::join!(
+    let move_flows = client
+        .prepare_cached(
+            "UPDATE flow f SET seq = u.s, state = u.st
+             FROM unnest($1::text[], $2::bigint[], $3::text[], $4::bigint[]) AS u(id, s, st, fs)
+             WHERE f.flow_id = u.id AND f.seq = u.fs",
+        )
+        .await?;
+    let insert_events = client
+        .prepare_cached(
+            "INSERT INTO outbox(event_id, flow_id, seq, kind, schema, body, committed_at_us)
+             SELECT e, f, s, k, sc, b, $7
+             FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $5::integer[], $6::text[])
+                  WITH ORDINALITY AS t(e, f, s, k, sc, b, n)
+             ORDER BY n",
+        )
+        .await?;
+    let p_new: Params<'_, 4> = [&n_flows, &n_seqs, &n_states, &n_amounts];
+    let p_old: Params<'_, 4> = [&o_flows, &o_seqs, &o_states, &o_from];
+    let p_events: Params<'_, 7> = [&e_ids, &e_flows, &e_seqs, &e_kinds, &e_schemas, &e_bodies, &now];
+    // In this order on the connection, one round trip: the savepoint, the flows, the events.
+    let (saved, inserted, moved, events_in) = futures::join!(
         client.batch_execute("SAVEPOINT batch"),
-        futures::future::join_all(bound.iter().map(|p| client.execute(&stmt, p))),
+        client.execute(&insert_flows, &p_new),
+        client.execute(&move_flows, &p_old),
+        client.execute(&insert_events, &p_events),
     );
     saved?;
     let mut all_written = true;
-    for outcome in inserted {
+    for (outcome, expected) in [(inserted, new.len()), (moved, old.len()), (events_in, writes.len())] {
         match outcome {
-            Ok(1) => {}
+            Ok(n) if n == expected as u64 => {}
             Ok(_) => all_written = false,
             Err(e) if is_retryable(&e) || is_serialization_failure(&e) => return Err(e.into()),
             Err(_) => all_written = false,
