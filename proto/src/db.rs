@@ -419,6 +419,42 @@ impl<E> StepFailure<E> {
     }
 }
 
+/// How the steps of a group-committed transaction are kept apart.
+///
+/// A savepoint per step is what lets one failing step roll back alone, but it is not free:
+/// besides the `SAVEPOINT`/`RELEASE` statements, SQLite copies every page a step changes for
+/// the first time into the savepoint's sub-journal (a 4 KiB copy each, several per step).
+/// Steps almost never fail, so a batch first runs [`Steps::Direct`]: every step straight in
+/// the transaction, and the first failure abandons the transaction (rolled back, nothing
+/// answered, no commit) so the caller runs the same batch again with
+/// [`Steps::Savepoint`], which then decides every step exactly as before. Every decision is
+/// read inside the transaction, so the second run decides what the first would have.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Steps {
+    /// Every step directly in the transaction; any failure means "run the batch again with
+    /// savepoints".
+    Direct,
+    /// Every step in its own savepoint ([`in_savepoint`]).
+    Savepoint,
+}
+
+/// Runs one step as `steps` says: directly (a failure is [`StepFailure::TransactionLost`]:
+/// the transaction must not commit, and the caller runs the batch again with savepoints) or
+/// in its own savepoint ([`in_savepoint`]).
+pub fn in_step<T, E>(
+    tx: &Transaction<'_>,
+    steps: Steps,
+    step: impl FnOnce(&Transaction<'_>) -> Result<T, E>,
+) -> Result<T, StepFailure<E>>
+where
+    E: From<rusqlite::Error>,
+{
+    match steps {
+        Steps::Direct => step(tx).map_err(StepFailure::TransactionLost),
+        Steps::Savepoint => in_savepoint(tx, step),
+    }
+}
+
 /// Runs one step of a group-committed transaction inside its own `SAVEPOINT`: on success the
 /// savepoint is released (the step commits with the transaction); on failure only the
 /// step's writes are undone, so one failing step never fails the others sharing the commit.

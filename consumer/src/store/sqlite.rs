@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use proto::body::Event;
 use proto::crash::{CrashPoint, CrashSwitch};
-use proto::db::{self, DbError, DbKind, StepFailure};
+use proto::db::{self, DbError, DbKind, StepFailure, Steps};
 use proto::flow::Kind;
 use runtime::blocking::{lock, with_locked};
 use rusqlite::{Connection, OptionalExtension, Transaction, params};
@@ -24,9 +24,22 @@ use crate::rules::{BlockReason, Decision, Projection, decide_next};
 use crate::storage::StorageWatch;
 
 /// consumer.db: identity and schema (version 2: version 1 plus the database identity;
-/// version 3: the state and reason checks without `IN` lists; a new file gets version 1's
-/// schema and then every upgrade).
-pub const KIND: DbKind = DbKind::consumer(3, SCHEMA, &[IDENTITY_SQL, PLAIN_CHECKS_SQL]);
+/// version 3: the state and reason checks without `IN` lists; version 4: the backlog counter
+/// kept by the store, not by triggers; a new file gets version 1's schema and then every
+/// upgrade).
+pub const KIND: DbKind =
+    DbKind::consumer(4, SCHEMA, &[IDENTITY_SQL, PLAIN_CHECKS_SQL, COUNTER_WITHOUT_TRIGGERS_SQL]);
+
+/// Version 4: `backlog.unapplied` is kept exact by the store functions that change it
+/// ([`Unapplied`]: one UPDATE per transaction, before its commit), not by a trigger per row.
+/// A trigger on `inbox` made every insert and every applied mark a multi-statement write
+/// that opens its own statement journal (every page it touches copied first) and ran an
+/// UPDATE of the counter per row. The counter is exact when the triggers are dropped, and
+/// stays exact: every insert into `inbox` and every change of its `state` is in this module.
+const COUNTER_WITHOUT_TRIGGERS_SQL: &str = "
+DROP TRIGGER backlog_insert;
+DROP TRIGGER backlog_applied;
+";
 
 /// Version 3: the same checks on `inbox.state`, `inbox.reason` and `projection.state`,
 /// written as comparisons. SQLite evaluates a constant `IN` list of more than two values
@@ -276,42 +289,58 @@ impl SqliteStore {
     }
 }
 
-/// The Receive batch on SQLite: one `BEGIN IMMEDIATE` transaction, a savepoint per envelope
-/// (see [`ConsumerStore::receive_batch`](super::ConsumerStore::receive_batch)). An envelope
-/// whose stream already failed is not stored; every failed envelope fails its stream.
+/// The Receive batch on SQLite: one `BEGIN IMMEDIATE` transaction, the envelopes decided in
+/// order (see [`ConsumerStore::receive_batch`](super::ConsumerStore::receive_batch)): first
+/// directly in the transaction, and if one fails, once more with a savepoint per envelope
+/// (see [`db::Steps`]). An envelope whose stream already failed is not stored; every failed
+/// envelope fails its stream.
 fn receive_batch(conn: &mut Connection, jobs: &[Incoming], ctx: ReceiveContext) -> Vec<BatchAnswer> {
+    match receive_in_tx(conn, jobs, ctx, Steps::Direct) {
+        Some(answers) => answers,
+        // With savepoints every failure is answered; nothing asks for another run.
+        None => receive_in_tx(conn, jobs, ctx, Steps::Savepoint).unwrap_or_default(),
+    }
+}
+
+/// One run of [`receive_batch`]; `None` when an envelope failed in a `Direct` run (the
+/// transaction is rolled back; nothing is answered, no stream is failed, nothing reported).
+fn receive_in_tx(
+    conn: &mut Connection,
+    jobs: &[Incoming],
+    ctx: ReceiveContext,
+    steps: Steps,
+) -> Option<Vec<BatchAnswer>> {
     let storage = ctx.storage;
     let report = |e: &StoreError| {
         if let Some(watch) = storage {
             watch.commit_failed(e);
         }
     };
-    let fail_all = |e: StoreError| -> Vec<BatchAnswer> {
-        jobs.iter()
-            .map(|job| {
-                job.stream.fail();
-                Some(Err(e.clone()))
-            })
-            .collect()
+    let fail_all = |e: StoreError| -> Option<Vec<BatchAnswer>> {
+        report(&e);
+        Some(
+            jobs.iter()
+                .map(|job| {
+                    job.stream.fail();
+                    Some(Err(e.clone()))
+                })
+                .collect(),
+        )
     };
     let tx = match db::begin_immediate(conn) {
         Ok(tx) => tx,
-        Err(e) => {
-            let e = StoreError::from(e);
-            report(&e);
-            return fail_all(e);
-        }
+        Err(e) => return fail_all(StoreError::from(e)),
     };
+    let mut unapplied = Unapplied::default();
     let mut results = Vec::with_capacity(jobs.len());
-    let mut inserted = false;
     for job in jobs {
         if job.stream.failed() {
             results.push(None);
             continue;
         }
         let now = runtime::now_us();
-        let decided = db::in_savepoint(&tx, |tx| {
-            let outcome = insert_pending(tx, &job.event, now, ctx.admission)?;
+        let decided = db::in_step(&tx, steps, |tx| {
+            let outcome = insert_pending(tx, &job.event, now, ctx.admission, &mut unapplied)?;
             let position = match outcome {
                 ReceiveOutcome::Accepted => u64::try_from(tx.last_insert_rowid()).unwrap_or(0),
                 ReceiveOutcome::Duplicate => inbox_position(tx, &job.event.event_id)?.unwrap_or(0),
@@ -322,11 +351,11 @@ fn receive_batch(conn: &mut Connection, jobs: &[Incoming], ctx: ReceiveContext) 
         match decided {
             Ok(received) => {
                 if received.outcome == ReceiveOutcome::Accepted {
-                    inserted = true;
                     ctx.crash.reach(CrashPoint::ConsumerReceiveAfterInsert);
                 }
                 results.push(Some(Ok(received)));
             }
+            Err(_) if steps == Steps::Direct => return None,
             Err(StepFailure::RolledBack(e)) => {
                 report(&e);
                 job.stream.fail();
@@ -334,30 +363,30 @@ fn receive_batch(conn: &mut Connection, jobs: &[Incoming], ctx: ReceiveContext) 
             }
             Err(StepFailure::TransactionLost(e)) => {
                 drop(tx);
-                report(&e);
                 return fail_all(e);
             }
         }
     }
-    if !inserted {
+    if !unapplied.changed() {
         // Nothing was written; dropping the transaction releases the lock.
-        return results;
+        return Some(results);
+    }
+    if let Err(e) = unapplied.write(&tx) {
+        drop(tx);
+        return fail_all(e);
     }
     if let Some(refused) = storage.map_or(Ok(()), |watch| watch.before_commit()).err() {
         drop(tx);
-        report(&refused);
         return fail_all(refused);
     }
     if let Err(e) = tx.commit() {
-        let e = StoreError::from(e);
-        report(&e);
-        return fail_all(e);
+        return fail_all(StoreError::from(e));
     }
     if let Some(watch) = storage {
         watch.commit_succeeded();
     }
     ctx.crash.reach(CrashPoint::ConsumerReceiveAfterCommit);
-    results
+    Some(results)
 }
 
 /// What one step inside the open transaction did.
@@ -367,12 +396,13 @@ enum Progress {
 }
 
 /// Applies each of `flows` in turn, up to `max_steps` each, with consecutive steps of many
-/// flows in one `BEGIN IMMEDIATE` transaction of up to `opts.max_batch` steps. Each step is
-/// its own savepoint: a failing step rolls back alone and fails only its flow (the others'
-/// steps in the same transaction commit); if the whole transaction is lost, every flow that
-/// wrote in it fails and keeps only what was committed before. `consumer.apply.after_commit`
-/// is reached after each commit that holds an applied step. Blocking: call it on a blocking
-/// thread.
+/// flows in one `BEGIN IMMEDIATE` transaction of up to `opts.max_batch` steps. A failing step
+/// rolls back alone and fails only its flow (the others' steps in the same transaction
+/// commit): each transaction first runs its steps directly, and if one fails, runs again from
+/// the same flow with a savepoint per step (see [`db::Steps`]). If the whole transaction is
+/// lost, every flow that wrote in it fails and keeps only what was committed before.
+/// `consumer.apply.after_commit` is reached after each commit that holds an applied step.
+/// Blocking: call it on a blocking thread.
 fn apply_flows(
     shared: &Mutex<Connection>,
     flows: Vec<String>,
@@ -383,8 +413,8 @@ fn apply_flows(
     // The projection each flow's last step wrote inside the open transaction (what a read
     // would return now); `None` at the start of each transaction, so it is read again.
     let mut known: Vec<Option<Projection>> = vec![None; runs.len()];
-    let max_batch = opts.max_batch.max(1);
     let mut next = 0;
+    let mut steps = Steps::Direct;
     while next < runs.len() {
         let mut guard = lock(shared);
         let started = std::time::Instant::now();
@@ -402,45 +432,33 @@ fn apply_flows(
                 break;
             }
         };
-        let mut steps = 0;
-        let mut lost = None;
-        while next < runs.len() && steps < max_batch {
-            let run = &mut runs[next];
-            let budget_left = run.committed.len() + run.pending.len() < max_steps as usize;
-            match step_in_tx(&tx, &run.flow_id, known[next], budget_left, &opts) {
-                Ok(Progress::Applied { event_id, after }) => {
-                    known[next] = Some(after);
-                    run.pending.push(event_id);
-                    run.wrote = true;
-                    steps += 1;
-                }
-                Ok(Progress::Stopped { stop, projection, wrote }) => {
-                    run.wrote |= wrote;
-                    steps += usize::from(wrote);
-                    run.end = Some(Ok((stop, projection)));
-                    next += 1;
-                }
-                Err(StepFailure::RolledBack(e)) => {
-                    run.end = Some(Err(e));
-                    next += 1;
-                }
-                Err(StepFailure::TransactionLost(e)) => {
-                    lost = Some(e.clone());
-                    run.end = Some(Err(e));
-                    run.pending.clear();
-                    run.wrote = false;
-                    next += 1;
-                    break;
-                }
-            }
-        }
+        let first = next;
+        let ran = apply_in_tx(&tx, &mut runs, &mut known, &mut next, max_steps, &opts, steps);
         known.fill(None);
+        let Some(mut ran) = ran else {
+            // A step failed in a direct run: nothing of it stays; the same flows run again
+            // with a savepoint per step.
+            drop(tx);
+            for run in &mut runs[first..=next] {
+                run.pending.clear();
+                run.wrote = false;
+                run.end = None;
+            }
+            next = first;
+            steps = Steps::Savepoint;
+            continue;
+        };
+        steps = Steps::Direct;
         let wrote_any = runs.iter().any(|r| r.wrote);
-        let finished = if let Some(e) = lost {
+        let finished = if let Some(e) = ran.lost {
             drop(tx);
             Err(e)
         } else if wrote_any {
-            match opts.storage.map_or(Ok(()), |watch| watch.before_commit()) {
+            let checked = ran.unapplied.write(&tx).and_then(|()| match opts.storage {
+                Some(watch) => watch.before_commit(),
+                None => Ok(()),
+            });
+            match checked {
                 Ok(()) => tx.commit().map_err(StoreError::from),
                 Err(refused) => {
                     drop(tx);
@@ -458,6 +476,63 @@ fn apply_flows(
     reports(runs, &opts)
 }
 
+/// What one transaction of [`apply_flows`] left to settle.
+struct Ran {
+    /// The counter change its applied steps made.
+    unapplied: Unapplied,
+    /// The whole transaction was lost (the flow that lost it already has its error).
+    lost: Option<StoreError>,
+}
+
+/// The steps of one transaction of [`apply_flows`], from flow `*next` on, up to
+/// `opts.max_batch` steps; `None` when a step failed in a `Direct` run (the caller rolls the
+/// transaction back and runs the same flows again with savepoints).
+fn apply_in_tx(
+    tx: &Transaction<'_>,
+    runs: &mut [FlowRun],
+    known: &mut [Option<Projection>],
+    next: &mut usize,
+    max_steps: u32,
+    opts: &ApplyOptions,
+    steps: Steps,
+) -> Option<Ran> {
+    let max_batch = opts.max_batch.max(1);
+    let mut ran = Ran { unapplied: Unapplied::default(), lost: None };
+    let mut written = 0;
+    while *next < runs.len() && written < max_batch {
+        let run = &mut runs[*next];
+        let budget_left = run.committed.len() + run.pending.len() < max_steps as usize;
+        match step_in_tx(tx, &run.flow_id, known[*next], budget_left, opts, steps, &mut ran.unapplied) {
+            Ok(Progress::Applied { event_id, after }) => {
+                known[*next] = Some(after);
+                run.pending.push(event_id);
+                run.wrote = true;
+                written += 1;
+            }
+            Ok(Progress::Stopped { stop, projection, wrote }) => {
+                run.wrote |= wrote;
+                written += usize::from(wrote);
+                run.end = Some(Ok((stop, projection)));
+                *next += 1;
+            }
+            Err(_) if steps == Steps::Direct => return None,
+            Err(StepFailure::RolledBack(e)) => {
+                run.end = Some(Err(e));
+                *next += 1;
+            }
+            Err(StepFailure::TransactionLost(e)) => {
+                ran.lost = Some(e.clone());
+                run.end = Some(Err(e));
+                run.pending.clear();
+                run.wrote = false;
+                *next += 1;
+                break;
+            }
+        }
+    }
+    Some(ran)
+}
+
 /// A failure outside a savepoint (a read): the transaction survives unless SQLite dropped it.
 fn classify(tx: &Transaction<'_>, e: StoreError) -> StepFailure<StoreError> {
     if tx.is_autocommit() { StepFailure::TransactionLost(e) } else { StepFailure::RolledBack(e) }
@@ -472,6 +547,8 @@ fn step_in_tx(
     known: Option<Projection>,
     budget_left: bool,
     opts: &ApplyOptions,
+    steps: Steps,
+    unapplied: &mut Unapplied,
 ) -> std::result::Result<Progress, StepFailure<StoreError>> {
     let from = match known {
         Some(projection) => projection,
@@ -496,7 +573,7 @@ fn step_in_tx(
         Decision::Block { reason, detail } => {
             let mut wrote = false;
             if row.state != InboxState::Blocked || row.reason != Some(reason) {
-                wrote = db::in_savepoint(tx, |tx| mark_blocked(tx, &row.event_id, reason))?;
+                wrote = db::in_step(tx, steps, |tx| mark_blocked(tx, &row.event_id, reason))?;
                 if wrote {
                     tracing::warn!(
                         flow_id,
@@ -513,7 +590,10 @@ fn step_in_tx(
         }
         Decision::Apply { kind, after } => {
             let now = runtime::now_us();
-            match db::in_savepoint(tx, |tx| apply_step(tx, &row, &from, kind, &after, &opts.crash, now))? {
+            let applied = db::in_step(tx, steps, |tx| {
+                apply_step(tx, &row, &from, kind, &after, &opts.crash, now, unapplied)
+            })?;
+            match applied {
                 StepOutcome::Applied => {
                     tracing::debug!(flow_id, event_id = %row.event_id, seq = row.seq, "applied");
                     Ok(Progress::Applied { event_id: row.event_id, after })
@@ -538,10 +618,11 @@ pub fn insert_pending(
     event: &Event,
     now_us: i64,
     admission: Admission,
+    counter: &mut Unapplied,
 ) -> Result<ReceiveOutcome> {
     let body = event.canonical_body();
     if let Admission::Cap(cap) = admission {
-        let unapplied = unapplied_count(tx)?;
+        let unapplied = counter.count(tx)?;
         if unapplied >= cap {
             if let Some(known) = stored_outcome(tx, event, &body)? {
                 return Ok(known);
@@ -558,6 +639,7 @@ pub fn insert_pending(
         )?
         .execute(params![event.event_id, event.flow_id, event.seq, event.kind, event.schema, body, now_us])?;
     if inserted == 1 {
+        counter.delta += 1;
         return Ok(ReceiveOutcome::Accepted);
     }
     stored_outcome(tx, event, &body)?.ok_or_else(|| {
@@ -610,9 +692,48 @@ pub fn touch_probe(tx: &Transaction<'_>, now_us: i64) -> Result<()> {
     Ok(())
 }
 
-/// Unapplied (pending + blocked) inbox rows, from the trigger-kept counter.
+/// Unapplied (pending + blocked) inbox rows, from the counter the store keeps exact.
 pub fn unapplied_count(conn: &Connection) -> Result<u64> {
     Ok(conn.prepare_cached("SELECT unapplied FROM backlog WHERE id = 1")?.query_row([], |r| r.get(0))?)
+}
+
+/// The `backlog.unapplied` counter inside one write transaction: read at most once (when the
+/// cap needs it), this transaction's changes summed, and written once before the commit
+/// ([`Unapplied::write`]). [`insert_pending`] and [`apply_step`], the only writes that
+/// change how many rows are unapplied, take one, so the counter stays exact in the same
+/// transaction as the rows.
+#[derive(Debug, Default)]
+pub struct Unapplied {
+    stored: Option<u64>,
+    delta: i64,
+}
+
+impl Unapplied {
+    /// Unapplied rows as this transaction sees them now: the stored counter (read once) plus
+    /// this transaction's changes.
+    pub fn count(&mut self, tx: &Transaction<'_>) -> Result<u64> {
+        let stored = match self.stored {
+            Some(n) => n,
+            None => *self.stored.insert(unapplied_count(tx)?),
+        };
+        Ok(stored.saturating_add_signed(self.delta))
+    }
+
+    /// Whether this transaction changed the counter (it inserted or applied a row).
+    pub fn changed(&self) -> bool {
+        self.delta != 0
+    }
+
+    /// Writes this transaction's change of the counter (nothing when there is none).
+    pub fn write(&mut self, tx: &Transaction<'_>) -> Result<()> {
+        if self.delta != 0 {
+            tx.prepare_cached("UPDATE backlog SET unapplied = unapplied + ?1 WHERE id = 1")?
+                .execute([self.delta])?;
+            self.stored = self.stored.map(|n| n.saturating_add_signed(self.delta));
+            self.delta = 0;
+        }
+        Ok(())
+    }
 }
 
 /// Whether `event` is exactly the next seq of a flow that already has rows waiting behind it.
@@ -706,8 +827,10 @@ pub fn mark_blocked(tx: &Transaction<'_>, event_id: &str, reason: BlockReason) -
 /// Inside the caller's `BEGIN IMMEDIATE` transaction, the applied step of SPEC §7: only if
 /// the stored projection is still `from` (checked by the guarded write itself, never
 /// trusting the caller's copy) updates it to `after`, inserts the effect and marks `row`
-/// applied. Any failure (a constraint, a trigger) is returned before commit, so the caller's
-/// rollback undoes all three. Crash points `consumer.apply.after_projection` and `.after_effect` sit inside.
+/// applied (counted in `unapplied`). Any failure (a constraint, a trigger) is returned before
+/// commit, so the caller's rollback undoes all three. Crash points
+/// `consumer.apply.after_projection` and `.after_effect` sit inside.
+#[allow(clippy::too_many_arguments)]
 pub fn apply_step(
     tx: &Transaction<'_>,
     row: &InboxRecord,
@@ -716,6 +839,7 @@ pub fn apply_step(
     after: &Projection,
     crash: &CrashSwitch,
     now_us: i64,
+    unapplied: &mut Unapplied,
 ) -> Result<StepOutcome> {
     if after.last_seq != row.seq {
         return Ok(StepOutcome::Raced);
@@ -772,6 +896,7 @@ pub fn apply_step(
             row.event_id, from.last_seq
         )));
     }
+    unapplied.delta -= 1;
     crash.reach(CrashPoint::ConsumerApplyAfterEffect);
     Ok(StepOutcome::Applied)
 }
@@ -871,7 +996,9 @@ mod tests {
 
     fn receive(conn: &mut Connection, e: &Event) -> ReceiveOutcome {
         let tx = db::begin_immediate(conn).unwrap();
-        let outcome = insert_pending(&tx, e, 1, Admission::Unlimited).unwrap();
+        let mut unapplied = Unapplied::default();
+        let outcome = insert_pending(&tx, e, 1, Admission::Unlimited, &mut unapplied).unwrap();
+        unapplied.write(&tx).unwrap();
         tx.commit().unwrap();
         outcome
     }
@@ -883,14 +1010,19 @@ mod tests {
         let event = Event::from_canonical_body(&row.body).unwrap();
         let Decision::Apply { kind, after } = decide_next(&from, &event, false) else { return None };
         let tx = db::begin_immediate(conn).unwrap();
-        let outcome = apply_step(&tx, &row, &from, kind, &after, &CrashSwitch::default(), 2).unwrap();
+        let mut unapplied = Unapplied::default();
+        let outcome =
+            apply_step(&tx, &row, &from, kind, &after, &CrashSwitch::default(), 2, &mut unapplied).unwrap();
+        unapplied.write(&tx).unwrap();
         tx.commit().unwrap();
         Some(outcome)
     }
 
     fn receive_capped(conn: &mut Connection, e: &Event, cap: u64) -> ReceiveOutcome {
         let tx = db::begin_immediate(conn).unwrap();
-        let outcome = insert_pending(&tx, e, 1, Admission::Cap(cap)).unwrap();
+        let mut unapplied = Unapplied::default();
+        let outcome = insert_pending(&tx, e, 1, Admission::Cap(cap), &mut unapplied).unwrap();
+        unapplied.write(&tx).unwrap();
         tx.commit().unwrap();
         outcome
     }
@@ -1061,7 +1193,8 @@ mod tests {
         };
         let tx = db::begin_immediate(&mut a).unwrap();
         assert_eq!(
-            apply_step(&tx, &row, &from, kind, &after, &CrashSwitch::default(), 3).unwrap(),
+            apply_step(&tx, &row, &from, kind, &after, &CrashSwitch::default(), 3, &mut Unapplied::default())
+                .unwrap(),
             StepOutcome::Raced
         );
         drop(tx);
@@ -1088,7 +1221,9 @@ mod tests {
             panic!("apply")
         };
         let tx = db::begin_immediate(&mut conn).unwrap();
-        let err = apply_step(&tx, &row, &from, kind, &after, &CrashSwitch::default(), 3).unwrap_err();
+        let err =
+            apply_step(&tx, &row, &from, kind, &after, &CrashSwitch::default(), 3, &mut Unapplied::default())
+                .unwrap_err();
         assert!(err.to_string().contains("effects frozen"), "{err}");
         drop(tx);
         assert_eq!(projection(&conn, "A").unwrap(), Projection::NEW);
@@ -1115,7 +1250,8 @@ mod tests {
         let Decision::Apply { kind, after } = decide_next(&from, &v2, true) else { panic!("apply") };
         let tx = db::begin_immediate(&mut conn).unwrap();
         assert_eq!(
-            apply_step(&tx, row, &from, kind, &after, &CrashSwitch::default(), 3).unwrap(),
+            apply_step(&tx, row, &from, kind, &after, &CrashSwitch::default(), 3, &mut Unapplied::default())
+                .unwrap(),
             StepOutcome::Applied
         );
         assert!(!mark_blocked(&tx, "A1", BlockReason::InvalidPayload).unwrap());

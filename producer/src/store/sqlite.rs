@@ -23,8 +23,22 @@ use crate::request::AdvanceCommand;
 
 /// producer.db: identity and schema (version 2: version 1, then the database identity and
 /// which consumer database accepted each row, at which position; version 3: the flow state
-/// check without an `IN` list).
-pub const KIND: DbKind = DbKind::producer(3, SCHEMA, &[IDENTITY_SQL, PLAIN_CHECKS_SQL]);
+/// check without an `IN` list; version 4: the backlog counter kept by the store, not by
+/// triggers).
+pub const KIND: DbKind =
+    DbKind::producer(4, SCHEMA, &[IDENTITY_SQL, PLAIN_CHECKS_SQL, COUNTER_WITHOUT_TRIGGERS_SQL]);
+
+/// Version 4: `backlog.unaccepted` is kept exact by the store functions that change it
+/// ([`Unaccepted`]: one UPDATE per transaction, before its commit), not by a trigger per row.
+/// A trigger on `outbox` made every insert and every answer's UPDATE a multi-statement write
+/// that opens its own statement journal (every page it touches copied first) and ran an
+/// UPDATE of the counter per row. The counter is exact when the triggers are dropped, and
+/// stays exact: every write of `outbox.accepted` is in this module.
+const COUNTER_WITHOUT_TRIGGERS_SQL: &str = "
+DROP TRIGGER backlog_insert;
+DROP TRIGGER backlog_accepted;
+DROP TRIGGER backlog_unmarked;
+";
 
 /// Version 3: the same check on `flow.state`, written as comparisons. SQLite evaluates a
 /// constant `IN` list of more than two values through a temporary b-tree built anew at every
@@ -212,11 +226,13 @@ impl SqliteStore {
             let tx = db::begin_immediate(conn)?;
             let now = runtime::now_us();
             let mut marked = false;
+            let mut unaccepted = Unaccepted::new(None);
             for answer in &answers {
                 let accepted_by = answer.accepted_by(consumer_db.as_deref());
-                record_delivery(&tx, &answer.event_id, answer.answer, now, accepted_by)?;
+                record_delivery(&tx, &answer.event_id, answer.answer, now, accepted_by, &mut unaccepted)?;
                 marked |= answer.answer.holds_event();
             }
+            unaccepted.write(&tx)?;
             if marked {
                 crash.reach(CrashPoint::RelayAfterMark);
             }
@@ -251,7 +267,9 @@ impl SqliteStore {
             let tx = db::begin_immediate(conn)?;
             let lost = lost_rows(&tx, &consumer_db, highest_position)?;
             if lost.other_database + lost.beyond_history > 0 {
-                unmark_lost(&tx, &consumer_db, highest_position)?;
+                let mut unaccepted = Unaccepted::new(None);
+                unmark_lost(&tx, &consumer_db, highest_position, &mut unaccepted)?;
+                unaccepted.write(&tx)?;
                 tx.commit()?;
             }
             Ok(lost)
@@ -260,25 +278,68 @@ impl SqliteStore {
     }
 }
 
+/// The `backlog.unaccepted` counter inside one write transaction: read at most once (when the
+/// cap needs it), this transaction's changes summed, and written once before the commit
+/// ([`Unaccepted::write`]). Every function here that inserts an outbox row or changes its
+/// `accepted` takes one, so the counter stays exact in the same transaction as the rows.
+#[derive(Debug)]
+pub struct Unaccepted {
+    cap: Option<u64>,
+    stored: Option<u64>,
+    delta: i64,
+}
+
+impl Unaccepted {
+    /// No change yet; `cap` is the outbox cap the transaction's calls are checked against.
+    pub fn new(cap: Option<u64>) -> Unaccepted {
+        Unaccepted { cap, stored: None, delta: 0 }
+    }
+
+    /// Unaccepted rows as this transaction sees them now (the stored counter read once, plus
+    /// this transaction's changes), with the cap; `None` when uncapped.
+    fn against_cap(&mut self, tx: &Transaction<'_>) -> Result<Option<(u64, u64)>, StoreError> {
+        let Some(cap) = self.cap else { return Ok(None) };
+        let stored = match self.stored {
+            Some(n) => n,
+            None => *self.stored.insert(unaccepted_count(tx)?),
+        };
+        Ok(Some((stored.saturating_add_signed(self.delta), cap)))
+    }
+
+    /// Rows this transaction inserted (net of rows it marked accepted).
+    pub fn added(&self) -> i64 {
+        self.delta
+    }
+
+    /// Writes this transaction's change of the counter (nothing when there is none).
+    pub fn write(&mut self, tx: &Transaction<'_>) -> Result<(), StoreError> {
+        if self.delta != 0 {
+            tx.prepare_cached("UPDATE backlog SET unaccepted = unaccepted + ?1 WHERE id = 1")?
+                .execute([self.delta])?;
+            self.stored = self.stored.map(|n| n.saturating_add_signed(self.delta));
+            self.delta = 0;
+        }
+        Ok(())
+    }
+}
+
 /// SPEC §5 inside the caller's `BEGIN IMMEDIATE` transaction: reads the flow, the event id's
 /// row and (when capped) the backlog, [`decide`]s, and for a step writes the flow, reaches
-/// `producer.after_flow_update`, inserts the outbox row and reaches
+/// `producer.after_flow_update`, inserts the outbox row (counted in `unaccepted`) and reaches
 /// `producer.after_outbox_insert`. Nothing is written unless the outcome is `Committed`; the
-/// caller commits, then reaches `producer.after_commit`.
+/// caller writes `unaccepted` and commits, then reaches `producer.after_commit`.
 pub fn advance(
     tx: &Transaction<'_>,
     cmd: &AdvanceCommand,
     crash: &CrashSwitch,
     now_us: i64,
-    max_unaccepted: Option<u64>,
+    unaccepted: &mut Unaccepted,
 ) -> Result<AdvanceReply, StoreError> {
     let flow = flow_record(tx, &cmd.flow_id)?;
     let stored = outbox_row(tx, &cmd.event_id)?;
     // The counter is only worth reading for a call that may write.
-    let backlog = match max_unaccepted {
-        Some(cap) if stored.is_none() && flow.seq == cmd.expected_seq => Some((unaccepted_count(tx)?, cap)),
-        _ => None,
-    };
+    let backlog =
+        if stored.is_none() && flow.seq == cmd.expected_seq { unaccepted.against_cap(tx)? } else { None };
     let decision = decide(&flow, stored.as_ref(), cmd, backlog);
     if let Decision::Write { flow, event } = &decision {
         tx.prepare_cached(
@@ -300,6 +361,7 @@ pub fn advance(
             event.body,
             now_us
         ])?;
+        unaccepted.delta += 1;
         crash.reach(CrashPoint::ProducerAfterOutboxInsert);
     }
     Ok(decision.into_reply())
@@ -383,31 +445,50 @@ pub fn unaccepted_after(
 
 /// Inside a relay's transaction: counts one send of `event_id` with the consumer's answer,
 /// and when the answer [holds the event](DeliveryAnswer::holds_event) sets `accepted = 1`
-/// and, when known, which consumer database holds it at which inbox position
-/// (`accepted_by`). Any other answer leaves the row unaccepted and `accepted_by` as it was.
-/// One statement: the row and its indexes are written once per answer. Returns false when
-/// no such row exists.
+/// (counted in `unaccepted`) and, when known, which consumer database holds it at which inbox
+/// position (`accepted_by`). Any other answer leaves the row unaccepted and `accepted_by` as
+/// it was. One statement in the common case (a row accepted by this answer); a row already
+/// accepted (a resend answered `DUPLICATE`) or refused takes the plain count. Returns false
+/// when no such row exists.
 pub fn record_delivery(
     tx: &Transaction<'_>,
     event_id: &str,
     answer: DeliveryAnswer,
     now_us: i64,
     accepted_by: Option<AcceptedBy<'_>>,
+    unaccepted: &mut Unaccepted,
 ) -> Result<bool, StoreError> {
-    let mut stmt = tx.prepare_cached(
-        "UPDATE outbox SET attempts = attempts + 1, last_outcome = ?2,
-             accepted_at_us = CASE WHEN ?3 AND accepted = 0 THEN ?4 ELSE accepted_at_us END,
-             accepted = CASE WHEN ?3 THEN 1 ELSE accepted END,
-             accepted_by = CASE WHEN ?3 AND ?5 IS NOT NULL THEN ?5 ELSE accepted_by END,
-             accepted_position = CASE WHEN ?3 AND ?5 IS NOT NULL THEN ?6 ELSE accepted_position END
-         WHERE event_id = ?1",
-    )?;
-    let holds = answer.holds_event();
-    let (by, position) = match accepted_by {
-        Some(a) if holds => (Some(a.consumer_db), Some(a.position)),
-        _ => (None, None),
-    };
-    Ok(stmt.execute(params![event_id, answer.word(), holds, now_us, by, position])? == 1)
+    let word = answer.word();
+    if answer.holds_event() {
+        let (by, position) = accepted_by.map_or((None, None), |a| (Some(a.consumer_db), Some(a.position)));
+        let newly = tx
+            .prepare_cached(
+                "UPDATE outbox SET attempts = attempts + 1, last_outcome = ?2, accepted = 1,
+                     accepted_at_us = ?3,
+                     accepted_by = CASE WHEN ?4 IS NOT NULL THEN ?4 ELSE accepted_by END,
+                     accepted_position = CASE WHEN ?4 IS NOT NULL THEN ?5 ELSE accepted_position END
+                 WHERE event_id = ?1 AND accepted = 0",
+            )?
+            .execute(params![event_id, word, now_us, by, position])?;
+        if newly == 1 {
+            unaccepted.delta -= 1;
+            return Ok(true);
+        }
+        // Already accepted: the answer is counted, and where it now lives is updated.
+        let changed = tx
+            .prepare_cached(
+                "UPDATE outbox SET attempts = attempts + 1, last_outcome = ?2,
+                     accepted_by = CASE WHEN ?3 IS NOT NULL THEN ?3 ELSE accepted_by END,
+                     accepted_position = CASE WHEN ?3 IS NOT NULL THEN ?4 ELSE accepted_position END
+                 WHERE event_id = ?1",
+            )?
+            .execute(params![event_id, word, by, position])?;
+        return Ok(changed == 1);
+    }
+    let changed = tx
+        .prepare_cached("UPDATE outbox SET attempts = attempts + 1, last_outcome = ?2 WHERE event_id = ?1")?
+        .execute(params![event_id, word])?;
+    Ok(changed == 1)
 }
 
 /// Inside a relay's transaction: counts one send of `event_id` that got no answer. The row
@@ -460,6 +541,7 @@ pub fn unmark_lost(
     tx: &Transaction<'_>,
     consumer_db: &str,
     highest_position: u64,
+    unaccepted: &mut Unaccepted,
 ) -> Result<u64, StoreError> {
     let changed = tx
         .prepare_cached(&format!(
@@ -468,6 +550,7 @@ pub fn unmark_lost(
              WHERE {LOST_WHERE}"
         ))?
         .execute(params![consumer_db, highest_position, LOST_BY_CONSUMER])?;
+    unaccepted.delta += changed as i64;
     Ok(changed as u64)
 }
 
@@ -522,7 +605,9 @@ mod tests {
 
     fn run(conn: &mut Connection, c: &AdvanceCommand) -> AdvanceReply {
         let tx = db::begin_immediate(conn).unwrap();
-        let reply = advance(&tx, c, &CrashSwitch::default(), 1, None).unwrap();
+        let mut unaccepted = Unaccepted::new(None);
+        let reply = advance(&tx, c, &CrashSwitch::default(), 1, &mut unaccepted).unwrap();
+        unaccepted.write(&tx).unwrap();
         tx.commit().unwrap();
         reply
     }
