@@ -1171,6 +1171,10 @@ mod tests {
         assert_eq!(next_to_apply(&conn, "A", 4).unwrap(), Next::Idle);
         receive(&mut conn, &reference("A", 1));
         assert!(matches!(next_to_apply(&conn, "A", 1).unwrap(), Next::Row(r) if r.event_id == "A1"));
+        // An applied row where the projection says the next seq waits is reported, not skipped.
+        assert_eq!(step(&mut conn, "A"), Some(StepOutcome::Applied));
+        let err = next_to_apply(&conn, "A", 1).unwrap_err();
+        assert!(matches!(err, StoreError::Inconsistent(_)), "{err}");
     }
 
     #[test]

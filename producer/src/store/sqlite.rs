@@ -516,15 +516,29 @@ pub fn lost_rows(
     consumer_db: &str,
     highest_position: u64,
 ) -> Result<LostRows, StoreError> {
-    let other_database = conn
-        .prepare_cached("SELECT count(*) FROM outbox WHERE accepted = 1 AND accepted_by IS NOT NULL AND accepted_by <> ?1")?
-        .query_row([consumer_db], |r| r.get(0))?;
-    let (beyond_history, highest_recorded) = conn
+    // Range reads of `outbox_accepted_by` only (the other databases' ids on either side of
+    // this one, rows past the position, the last one), so a relay that checks an unchanged
+    // consumer reads a few index entries, not the accepted history.
+    let other_database: u64 = conn
         .prepare_cached(
-            "SELECT count(*) FILTER (WHERE accepted_position > ?2), coalesce(max(accepted_position), 0)
-             FROM outbox WHERE accepted = 1 AND accepted_by = ?1",
+            "SELECT (SELECT count(*) FROM outbox WHERE accepted = 1 AND accepted_by < ?1)
+                  + (SELECT count(*) FROM outbox WHERE accepted = 1 AND accepted_by > ?1)",
         )?
-        .query_row(params![consumer_db, highest_position], |r| Ok((r.get(0)?, r.get(1)?)))?;
+        .query_row([consumer_db], |r| r.get(0))?;
+    let beyond_history = conn
+        .prepare_cached(
+            "SELECT count(*) FROM outbox
+             WHERE accepted = 1 AND accepted_by = ?1 AND accepted_position > ?2",
+        )?
+        .query_row(params![consumer_db, highest_position], |r| r.get(0))?;
+    let highest_recorded = conn
+        .prepare_cached(
+            "SELECT coalesce(max(accepted_position), 0) FROM outbox WHERE accepted = 1 AND accepted_by = ?1",
+        )?
+        .query_row([consumer_db], |r| r.get(0))?;
+    if other_database + beyond_history == 0 {
+        return Ok(LostRows { other_database, beyond_history, highest_recorded, sample: Vec::new() });
+    }
     let sample = conn
         .prepare_cached(&format!(
             "SELECT event_id FROM outbox WHERE {LOST_WHERE} ORDER BY flow_id, seq LIMIT 5"
