@@ -341,12 +341,24 @@ pub fn advance(
     let backlog =
         if stored.is_none() && flow.seq == cmd.expected_seq { unaccepted.against_cap(tx)? } else { None };
     let decision = decide(&flow, stored.as_ref(), cmd, backlog);
-    if let Decision::Write { flow, event } = &decision {
-        tx.prepare_cached(
-            "INSERT INTO flow(flow_id, seq, state, amount) VALUES (?1, ?2, ?3, ?4)
-             ON CONFLICT(flow_id) DO UPDATE SET seq = excluded.seq, state = excluded.state",
-        )?
-        .execute(params![event.flow_id, flow.seq, flow.state.as_str(), flow.amount])?;
+    if let Decision::Write { flow: after, event } = &decision {
+        // The transaction read the flow: a row exists exactly when its seq is above 0, so a
+        // new flow is an INSERT and a step of an existing one an UPDATE (an upsert would try
+        // the insert first and meet the key every time).
+        if flow.seq == 0 {
+            tx.prepare_cached("INSERT INTO flow(flow_id, seq, state, amount) VALUES (?1, ?2, ?3, ?4)")?
+                .execute(params![event.flow_id, after.seq, after.state.as_str(), after.amount])?;
+        } else {
+            let changed = tx
+                .prepare_cached("UPDATE flow SET seq = ?2, state = ?3 WHERE flow_id = ?1 AND seq = ?4")?
+                .execute(params![event.flow_id, after.seq, after.state.as_str(), flow.seq])?;
+            if changed != 1 {
+                return Err(StoreError::Corrupt(format!(
+                    "flow {} moved inside the advance transaction (read at seq {})",
+                    event.flow_id, flow.seq
+                )));
+            }
+        }
         crash.reach(CrashPoint::ProducerAfterFlowUpdate);
         tx.prepare_cached(
             "INSERT INTO outbox(event_id, flow_id, seq, kind, schema, body, committed_at_us)
