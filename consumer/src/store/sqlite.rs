@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use proto::body::Event;
 use proto::crash::{CrashPoint, CrashSwitch};
-use proto::db::{self, DbError, DbKind, StepFailure, Steps};
+use proto::db::{self, DbError, DbKind, Held, StepFailure, Steps};
 use proto::flow::Kind;
 use runtime::blocking::{lock, with_locked};
 use rusqlite::{Connection, OptionalExtension, Transaction, params};
@@ -332,6 +332,7 @@ fn receive_in_tx(
         Err(e) => return fail_all(StoreError::from(e)),
     };
     let mut unapplied = Unapplied::default();
+    let mut held = Held::new(&tx);
     let mut results = Vec::with_capacity(jobs.len());
     for job in jobs {
         if job.stream.failed() {
@@ -340,7 +341,7 @@ fn receive_in_tx(
         }
         let now = runtime::now_us();
         let decided = db::in_step(&tx, steps, |tx| {
-            let outcome = insert_pending(tx, &job.event, now, ctx.admission, &mut unapplied)?;
+            let outcome = insert_pending_with(&mut held, &job.event, now, ctx.admission, &mut unapplied)?;
             let position = match outcome {
                 ReceiveOutcome::Accepted => u64::try_from(tx.last_insert_rowid()).unwrap_or(0),
                 ReceiveOutcome::Duplicate => inbox_position(tx, &job.event.event_id)?.unwrap_or(0),
@@ -362,11 +363,13 @@ fn receive_in_tx(
                 results.push(Some(Err(e)));
             }
             Err(StepFailure::TransactionLost(e)) => {
+                drop(held);
                 drop(tx);
                 return fail_all(e);
             }
         }
     }
+    drop(held);
     if !unapplied.changed() {
         // Nothing was written; dropping the transaction releases the lock.
         return Some(results);
@@ -498,11 +501,21 @@ fn apply_in_tx(
 ) -> Option<Ran> {
     let max_batch = opts.max_batch.max(1);
     let mut ran = Ran { unapplied: Unapplied::default(), lost: None };
+    let mut held = Held::new(tx);
     let mut written = 0;
     while *next < runs.len() && written < max_batch {
         let run = &mut runs[*next];
         let budget_left = run.committed.len() + run.pending.len() < max_steps as usize;
-        match step_in_tx(tx, &run.flow_id, known[*next], budget_left, opts, steps, &mut ran.unapplied) {
+        match step_in_tx(
+            tx,
+            &mut held,
+            &run.flow_id,
+            known[*next],
+            budget_left,
+            opts,
+            steps,
+            &mut ran.unapplied,
+        ) {
             Ok(Progress::Applied { event_id, after }) => {
                 known[*next] = Some(after);
                 run.pending.push(event_id);
@@ -541,8 +554,10 @@ fn classify(tx: &Transaction<'_>, e: StoreError) -> StepFailure<StoreError> {
 /// Reads the projection (unless this transaction's previous step of the flow just wrote it:
 /// `known`) and the row at its next seq inside the open transaction, decides, and writes the
 /// decision in its own savepoint.
+#[allow(clippy::too_many_arguments)]
 fn step_in_tx(
     tx: &Transaction<'_>,
+    held: &mut Held<'_>,
     flow_id: &str,
     known: Option<Projection>,
     budget_left: bool,
@@ -552,9 +567,9 @@ fn step_in_tx(
 ) -> std::result::Result<Progress, StepFailure<StoreError>> {
     let from = match known {
         Some(projection) => projection,
-        None => projection(tx, flow_id).map_err(|e| classify(tx, e))?,
+        None => projection_with(held, flow_id).map_err(|e| classify(tx, e))?,
     };
-    let next = next_to_apply(tx, flow_id, from.next_seq()).map_err(|e| classify(tx, e))?;
+    let next = next_to_apply_with(held, flow_id, from.next_seq()).map_err(|e| classify(tx, e))?;
     let row = match next {
         Next::Idle => return Ok(Progress::Stopped { stop: Stop::Idle, projection: from, wrote: false }),
         Next::Gap => {
@@ -590,8 +605,8 @@ fn step_in_tx(
         }
         Decision::Apply { kind, after } => {
             let now = runtime::now_us();
-            let applied = db::in_step(tx, steps, |tx| {
-                apply_step(tx, &row, &from, kind, &after, &opts.crash, now, unapplied)
+            let applied = db::in_step(tx, steps, |_| {
+                apply_step_with(held, &row, &from, kind, &after, &opts.crash, now, unapplied)
             })?;
             match applied {
                 StepOutcome::Applied => {
@@ -620,6 +635,18 @@ pub fn insert_pending(
     admission: Admission,
     counter: &mut Unapplied,
 ) -> Result<ReceiveOutcome> {
+    insert_pending_with(&mut Held::new(tx), event, now_us, admission, counter)
+}
+
+/// [`insert_pending`] with the batch's held statements.
+fn insert_pending_with(
+    held: &mut Held<'_>,
+    event: &Event,
+    now_us: i64,
+    admission: Admission,
+    counter: &mut Unapplied,
+) -> Result<ReceiveOutcome> {
+    let tx = held.conn();
     let body = event.canonical_body();
     if let Admission::Cap(cap) = admission {
         let unapplied = counter.count(tx)?;
@@ -632,8 +659,8 @@ pub fn insert_pending(
             }
         }
     }
-    let inserted = tx
-        .prepare_cached(
+    let inserted = held
+        .get(
             "INSERT INTO inbox(event_id, flow_id, seq, kind, schema, body, state, received_at_us)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'pending', ?7) ON CONFLICT DO NOTHING",
         )?
@@ -652,7 +679,7 @@ pub fn insert_pending(
 
 /// What the stored rows say about `event`: the same body under its id (`Duplicate`), another
 /// body (`IdConflict`), another id at its (flow_id, seq) (`SequenceConflict`), or nothing.
-fn stored_outcome(tx: &Transaction<'_>, event: &Event, body: &str) -> Result<Option<ReceiveOutcome>> {
+fn stored_outcome(tx: &Connection, event: &Event, body: &str) -> Result<Option<ReceiveOutcome>> {
     let stored: Option<String> = tx
         .prepare_cached("SELECT body FROM inbox WHERE event_id = ?1")?
         .query_row([&event.event_id], |r| r.get(0))
@@ -711,7 +738,7 @@ pub struct Unapplied {
 impl Unapplied {
     /// Unapplied rows as this transaction sees them now: the stored counter (read once) plus
     /// this transaction's changes.
-    pub fn count(&mut self, tx: &Transaction<'_>) -> Result<u64> {
+    pub fn count(&mut self, tx: &Connection) -> Result<u64> {
         let stored = match self.stored {
             Some(n) => n,
             None => *self.stored.insert(unapplied_count(tx)?),
@@ -749,8 +776,13 @@ fn fills_gap(conn: &Connection, event: &Event) -> Result<bool> {
 
 /// The flow's projection; a flow nothing was applied to is [`Projection::NEW`].
 pub fn projection(conn: &Connection, flow_id: &str) -> Result<Projection> {
-    let row = conn
-        .prepare_cached("SELECT last_seq, state, held, amount FROM projection WHERE flow_id = ?1")?
+    projection_with(&mut Held::new(conn), flow_id)
+}
+
+/// [`projection`] with the batch's held statements.
+fn projection_with(held: &mut Held<'_>, flow_id: &str) -> Result<Projection> {
+    let row = held
+        .get("SELECT last_seq, state, held, amount FROM projection WHERE flow_id = ?1")?
         .query_row([flow_id], |r| {
             Ok((r.get::<_, u64>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?, r.get::<_, i64>(3)?))
         })
@@ -790,8 +822,12 @@ fn inbox_record(raw: RawInbox) -> Result<InboxRecord> {
 /// The row at exactly `next_seq` of the flow ("greater than last_seq" would skip a gap), or
 /// whether a later one waits.
 pub fn next_to_apply(conn: &Connection, flow_id: &str, next_seq: u64) -> Result<Next> {
-    let raw =
-        conn.prepare_cached(INBOX_AT_SEQ_SQL)?.query_row(params![flow_id, next_seq], raw_inbox).optional()?;
+    next_to_apply_with(&mut Held::new(conn), flow_id, next_seq)
+}
+
+/// [`next_to_apply`] with the batch's held statements.
+fn next_to_apply_with(held: &mut Held<'_>, flow_id: &str, next_seq: u64) -> Result<Next> {
+    let raw = held.get(INBOX_AT_SEQ_SQL)?.query_row(params![flow_id, next_seq], raw_inbox).optional()?;
     if let Some(raw) = raw {
         let row = inbox_record(raw)?;
         if row.state == InboxState::Applied {
@@ -802,8 +838,7 @@ pub fn next_to_apply(conn: &Connection, flow_id: &str, next_seq: u64) -> Result<
         }
         return Ok(Next::Row(row));
     }
-    let later: bool =
-        conn.prepare_cached(LATER_UNAPPLIED_SQL)?.query_row(params![flow_id, next_seq], |r| r.get(0))?;
+    let later: bool = held.get(LATER_UNAPPLIED_SQL)?.query_row(params![flow_id, next_seq], |r| r.get(0))?;
     Ok(if later { Next::Gap } else { Next::Idle })
 }
 
@@ -841,13 +876,28 @@ pub fn apply_step(
     now_us: i64,
     unapplied: &mut Unapplied,
 ) -> Result<StepOutcome> {
+    apply_step_with(&mut Held::new(tx), row, from, kind, after, crash, now_us, unapplied)
+}
+
+/// [`apply_step`] with the batch's held statements.
+#[allow(clippy::too_many_arguments)]
+fn apply_step_with(
+    held: &mut Held<'_>,
+    row: &InboxRecord,
+    from: &Projection,
+    kind: Kind,
+    after: &Projection,
+    crash: &CrashSwitch,
+    now_us: i64,
+    unapplied: &mut Unapplied,
+) -> Result<StepOutcome> {
     if after.last_seq != row.seq {
         return Ok(StepOutcome::Raced);
     }
     // The write itself checks that the stored projection is still `from` (no row at all for
     // a new flow), so nothing is written when another applier moved it.
     let moved = if *from == Projection::NEW {
-        tx.prepare_cached(
+        held.get(
             "INSERT INTO projection(flow_id, last_seq, state, held, amount) VALUES (?1, ?2, ?3, ?4, ?5)
              ON CONFLICT(flow_id) DO NOTHING",
         )?
@@ -859,7 +909,7 @@ pub fn apply_step(
             after.amount
         ])?
     } else {
-        tx.prepare_cached(
+        held.get(
             "UPDATE projection SET last_seq = ?2, state = ?3, held = ?4, amount = ?5
              WHERE flow_id = ?1 AND last_seq = ?6 AND state = ?7 AND held = ?8 AND amount = ?9",
         )?
@@ -879,13 +929,13 @@ pub fn apply_step(
         return Ok(StepOutcome::Raced);
     }
     crash.reach(CrashPoint::ConsumerApplyAfterProjection);
-    tx.prepare_cached(
+    held.get(
         "INSERT INTO effect(event_id, flow_id, seq, kind, held, applied_at_us)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
     )?
     .execute(params![row.event_id, row.flow_id, row.seq, kind.as_str(), after.held, now_us])?;
-    let marked = tx
-        .prepare_cached(
+    let marked = held
+        .get(
             "UPDATE inbox SET state = 'applied', reason = NULL, applied_at_us = ?2
              WHERE event_id = ?1 AND state <> 'applied'",
         )?

@@ -9,7 +9,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use proto::crash::{CrashPoint, CrashSwitch};
-use proto::db::{self, DbError, DbKind, OpenMode};
+use proto::db::{self, DbError, DbKind, Held, OpenMode};
 use proto::flow::FlowState;
 use runtime::metrics::{GaugeReader, GaugeSample};
 use rusqlite::{Connection, OptionalExtension, Transaction, params};
@@ -227,11 +227,20 @@ impl SqliteStore {
             let now = runtime::now_us();
             let mut marked = false;
             let mut unaccepted = Unaccepted::new(None);
+            let mut held = Held::new(&tx);
             for answer in &answers {
                 let accepted_by = answer.accepted_by(consumer_db.as_deref());
-                record_delivery(&tx, &answer.event_id, answer.answer, now, accepted_by, &mut unaccepted)?;
+                record_delivery(
+                    &mut held,
+                    &answer.event_id,
+                    answer.answer,
+                    now,
+                    accepted_by,
+                    &mut unaccepted,
+                )?;
                 marked |= answer.answer.holds_event();
             }
+            drop(held);
             unaccepted.write(&tx)?;
             if marked {
                 crash.reach(CrashPoint::RelayAfterMark);
@@ -327,16 +336,18 @@ impl Unaccepted {
 /// row and (when capped) the backlog, [`decide`]s, and for a step writes the flow, reaches
 /// `producer.after_flow_update`, inserts the outbox row (counted in `unaccepted`) and reaches
 /// `producer.after_outbox_insert`. Nothing is written unless the outcome is `Committed`; the
-/// caller writes `unaccepted` and commits, then reaches `producer.after_commit`.
+/// caller writes `unaccepted` and commits, then reaches `producer.after_commit`. `held` keeps
+/// the batch's statements prepared ([`Held`]) and belongs to `tx`.
 pub fn advance(
     tx: &Transaction<'_>,
+    held: &mut Held<'_>,
     cmd: &AdvanceCommand,
     crash: &CrashSwitch,
     now_us: i64,
     unaccepted: &mut Unaccepted,
 ) -> Result<AdvanceReply, StoreError> {
-    let flow = flow_record(tx, &cmd.flow_id)?;
-    let stored = outbox_row(tx, &cmd.event_id)?;
+    let flow = flow_record_with(held, &cmd.flow_id)?;
+    let stored = outbox_row_with(held, &cmd.event_id)?;
     // The counter is only worth reading for a call that may write.
     let backlog =
         if stored.is_none() && flow.seq == cmd.expected_seq { unaccepted.against_cap(tx)? } else { None };
@@ -346,11 +357,11 @@ pub fn advance(
         // new flow is an INSERT and a step of an existing one an UPDATE (an upsert would try
         // the insert first and meet the key every time).
         if flow.seq == 0 {
-            tx.prepare_cached("INSERT INTO flow(flow_id, seq, state, amount) VALUES (?1, ?2, ?3, ?4)")?
+            held.get("INSERT INTO flow(flow_id, seq, state, amount) VALUES (?1, ?2, ?3, ?4)")?
                 .execute(params![event.flow_id, after.seq, after.state.as_str(), after.amount])?;
         } else {
-            let changed = tx
-                .prepare_cached("UPDATE flow SET seq = ?2, state = ?3 WHERE flow_id = ?1 AND seq = ?4")?
+            let changed = held
+                .get("UPDATE flow SET seq = ?2, state = ?3 WHERE flow_id = ?1 AND seq = ?4")?
                 .execute(params![event.flow_id, after.seq, after.state.as_str(), flow.seq])?;
             if changed != 1 {
                 return Err(StoreError::Corrupt(format!(
@@ -360,7 +371,7 @@ pub fn advance(
             }
         }
         crash.reach(CrashPoint::ProducerAfterFlowUpdate);
-        tx.prepare_cached(
+        held.get(
             "INSERT INTO outbox(event_id, flow_id, seq, kind, schema, body, committed_at_us)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
         )?
@@ -381,8 +392,12 @@ pub fn advance(
 
 /// The flow's committed state; a flow with no row is `new`, seq 0.
 pub fn flow_record(conn: &Connection, flow_id: &str) -> Result<FlowRecord, StoreError> {
-    let row = conn
-        .prepare_cached("SELECT seq, state, amount FROM flow WHERE flow_id = ?1")?
+    flow_record_with(&mut Held::new(conn), flow_id)
+}
+
+fn flow_record_with(held: &mut Held<'_>, flow_id: &str) -> Result<FlowRecord, StoreError> {
+    let row = held
+        .get("SELECT seq, state, amount FROM flow WHERE flow_id = ?1")?
         .query_row([flow_id], |r| Ok((r.get::<_, u64>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?)))
         .optional()?;
     match row {
@@ -419,8 +434,12 @@ fn outbox_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<OutboxRecord> {
 
 /// The outbox row of `event_id`, accepted or not.
 pub fn outbox_row(conn: &Connection, event_id: &str) -> Result<Option<OutboxRecord>, StoreError> {
-    Ok(conn
-        .prepare_cached(concat!("SELECT ", outbox_columns!(), " FROM outbox WHERE event_id = ?1"))?
+    outbox_row_with(&mut Held::new(conn), event_id)
+}
+
+fn outbox_row_with(held: &mut Held<'_>, event_id: &str) -> Result<Option<OutboxRecord>, StoreError> {
+    Ok(held
+        .get(concat!("SELECT ", outbox_columns!(), " FROM outbox WHERE event_id = ?1"))?
         .query_row([event_id], outbox_from_row)
         .optional()?)
 }
@@ -459,11 +478,11 @@ pub fn unaccepted_after(
 /// and when the answer [holds the event](DeliveryAnswer::holds_event) sets `accepted = 1`
 /// (counted in `unaccepted`) and, when known, which consumer database holds it at which inbox
 /// position (`accepted_by`). Any other answer leaves the row unaccepted and `accepted_by` as
-/// it was. One statement in the common case (a row accepted by this answer); a row already
+/// it was (`held`: the run's statements, see [`Held`]). One statement in the common case (a row accepted by this answer); a row already
 /// accepted (a resend answered `DUPLICATE`) or refused takes the plain count. Returns false
 /// when no such row exists.
 pub fn record_delivery(
-    tx: &Transaction<'_>,
+    held: &mut Held<'_>,
     event_id: &str,
     answer: DeliveryAnswer,
     now_us: i64,
@@ -473,8 +492,8 @@ pub fn record_delivery(
     let word = answer.word();
     if answer.holds_event() {
         let (by, position) = accepted_by.map_or((None, None), |a| (Some(a.consumer_db), Some(a.position)));
-        let newly = tx
-            .prepare_cached(
+        let newly = held
+            .get(
                 "UPDATE outbox SET attempts = attempts + 1, last_outcome = ?2, accepted = 1,
                      accepted_at_us = ?3,
                      accepted_by = CASE WHEN ?4 IS NOT NULL THEN ?4 ELSE accepted_by END,
@@ -487,8 +506,8 @@ pub fn record_delivery(
             return Ok(true);
         }
         // Already accepted: the answer is counted, and where it now lives is updated.
-        let changed = tx
-            .prepare_cached(
+        let changed = held
+            .get(
                 "UPDATE outbox SET attempts = attempts + 1, last_outcome = ?2,
                      accepted_by = CASE WHEN ?3 IS NOT NULL THEN ?3 ELSE accepted_by END,
                      accepted_position = CASE WHEN ?3 IS NOT NULL THEN ?4 ELSE accepted_position END
@@ -497,8 +516,8 @@ pub fn record_delivery(
             .execute(params![event_id, word, by, position])?;
         return Ok(changed == 1);
     }
-    let changed = tx
-        .prepare_cached("UPDATE outbox SET attempts = attempts + 1, last_outcome = ?2 WHERE event_id = ?1")?
+    let changed = held
+        .get("UPDATE outbox SET attempts = attempts + 1, last_outcome = ?2 WHERE event_id = ?1")?
         .execute(params![event_id, word])?;
     Ok(changed == 1)
 }
@@ -632,7 +651,8 @@ mod tests {
     fn run(conn: &mut Connection, c: &AdvanceCommand) -> AdvanceReply {
         let tx = db::begin_immediate(conn).unwrap();
         let mut unaccepted = Unaccepted::new(None);
-        let reply = advance(&tx, c, &CrashSwitch::default(), 1, &mut unaccepted).unwrap();
+        let reply =
+            advance(&tx, &mut Held::new(&tx), c, &CrashSwitch::default(), 1, &mut unaccepted).unwrap();
         unaccepted.write(&tx).unwrap();
         tx.commit().unwrap();
         reply

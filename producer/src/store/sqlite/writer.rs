@@ -88,10 +88,12 @@ fn advance_in_tx(
         Err(e) => return fail_all(StoreError::from(e).during("advance")),
     };
     let mut unaccepted = super::Unaccepted::new(max_unaccepted);
+    let mut held = db::Held::new(&tx);
     let mut results = Vec::with_capacity(cmds.len());
     for (i, cmd) in cmds.iter().enumerate() {
-        let step =
-            db::in_step(&tx, steps, |tx| super::advance(tx, cmd, crash, runtime::now_us(), &mut unaccepted));
+        let step = db::in_step(&tx, steps, |tx| {
+            super::advance(tx, &mut held, cmd, crash, runtime::now_us(), &mut unaccepted)
+        });
         match step {
             Ok(reply) => results.push(Ok(reply)),
             Err(_) if steps == Steps::Direct => return None,
@@ -103,6 +105,7 @@ fn advance_in_tx(
             }
         }
     }
+    drop(held);
     if unaccepted.added() == 0 {
         // Nothing was written; dropping the transaction releases the lock.
         return Some(results);
