@@ -198,8 +198,18 @@ pub fn canonical_payload(payload: &Payload) -> String {
 
 fn push_json_str(out: &mut String, s: &str) {
     // serde_json's string escaping is deterministic: `"`, `\` and control characters are
-    // escaped, everything else is written as UTF-8. Serializing a &str cannot fail.
-    out.push_str(&serde_json::to_string(s).unwrap_or_default());
+    // escaped, everything else is written as UTF-8. A string with none of them (every id,
+    // kind and payload key the services write) is that string in quotes, written without a
+    // serializer and its allocation; the others go through serde_json. Serializing a &str
+    // cannot fail.
+    if s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
+        out.reserve(s.len() + 2);
+        out.push('"');
+        out.push_str(s);
+        out.push('"');
+    } else {
+        out.push_str(&serde_json::to_string(s).unwrap_or_default());
+    }
 }
 
 #[cfg(test)]
@@ -235,6 +245,16 @@ mod tests {
             a.canonical_body(),
             r#"{"event_id":"A1","flow_id":"A","kind":"reserved","payload":{"amount":3,"b":true,"n":null,"neg":-7,"z":"last"},"schema":1,"seq":1}"#
         );
+    }
+
+    #[test]
+    fn plain_strings_are_written_as_serde_json_writes_them() {
+        for s in ["", "A1", "reserved", "é ü 漢", "a/b~c\u{7f}", "tab\t", "quo\"te", "back\\slash", "\u{1}"]
+        {
+            let mut out = String::new();
+            push_json_str(&mut out, s);
+            assert_eq!(out, serde_json::to_string(s).unwrap(), "{s:?}");
+        }
     }
 
     #[test]
