@@ -1132,6 +1132,40 @@ mod tests {
     ];
 
     #[test]
+    fn a_version_3_file_loses_its_counter_triggers_and_keeps_its_count() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.db");
+        let v3 = DbKind::consumer(3, SCHEMA, &[IDENTITY_SQL, PLAIN_CHECKS_SQL]);
+        let conn = db::open(&path, &v3, db::OpenMode::Create).unwrap();
+        // Rows written by a version 3 build: its triggers count them.
+        for (id, seq) in [("A1", 1), ("A2", 2)] {
+            let body = reference("A", seq).canonical_body();
+            conn.execute(
+                "INSERT INTO inbox(event_id, flow_id, seq, kind, schema, body, state, received_at_us)
+                 VALUES (?1, 'A', ?2, 'reserved', 1, ?3, 'pending', 1)",
+                params![id, seq, body],
+            )
+            .unwrap();
+        }
+        assert_eq!(unapplied_count(&conn).unwrap(), 2);
+        drop(conn);
+        let mut conn = open(&path).unwrap();
+        let triggers: i64 = conn
+            .query_row("SELECT count(*) FROM sqlite_schema WHERE type = 'trigger'", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(triggers, 0);
+        assert_eq!(unapplied_count(&conn).unwrap(), 2, "the count survives the upgrade");
+        // From now on the store keeps it: once per row, not twice.
+        assert_eq!(receive(&mut conn, &reference("A", 3)), ReceiveOutcome::Accepted);
+        assert_eq!(unapplied_count(&conn).unwrap(), 3);
+        assert_eq!(step(&mut conn, "A"), Some(StepOutcome::Applied));
+        let rows: i64 =
+            conn.query_row("SELECT count(*) FROM inbox WHERE state <> 'applied'", [], |r| r.get(0)).unwrap();
+        assert_eq!(unapplied_count(&conn).unwrap(), rows as u64);
+        assert_eq!(rows, 2);
+    }
+
+    #[test]
     fn a_version_2_file_is_upgraded_and_no_step_builds_a_temporary_btree() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("c.db");

@@ -670,6 +670,48 @@ mod tests {
          ON CONFLICT(flow_id) DO UPDATE SET seq = excluded.seq, state = excluded.state";
 
     #[test]
+    fn a_version_3_file_loses_its_counter_triggers_and_keeps_its_count() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.db");
+        let v3 = DbKind::producer(3, SCHEMA, &[IDENTITY_SQL, PLAIN_CHECKS_SQL]);
+        let mut conn = db::open(&path, &v3, OpenMode::Create).unwrap();
+        // A row committed by a version 3 build: its trigger counts it.
+        let tx = db::begin_immediate(&mut conn).unwrap();
+        tx.execute_batch(
+            "INSERT INTO flow(flow_id, seq, state, amount) VALUES ('A', 1, 'reserved', 3);
+             INSERT INTO outbox(event_id, flow_id, seq, kind, schema, body, committed_at_us)
+             VALUES ('A1', 'A', 1, 'reserved', 1, '{}', 1);",
+        )
+        .unwrap();
+        tx.commit().unwrap();
+        assert_eq!(unaccepted_count(&conn).unwrap(), 1);
+        drop(conn);
+        let mut conn = open(&path, OpenMode::Create).unwrap();
+        let triggers: i64 = conn
+            .query_row("SELECT count(*) FROM sqlite_schema WHERE type = 'trigger'", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(triggers, 0);
+        assert_eq!(unaccepted_count(&conn).unwrap(), 1, "the count survives the upgrade");
+        // From now on the store keeps it: the next step adds one, an accepted answer takes one.
+        run(&mut conn, &cmd("A2", 1, "confirmed", 1, 3));
+        assert_eq!(unaccepted_count(&conn).unwrap(), 2);
+        let tx = db::begin_immediate(&mut conn).unwrap();
+        let mut unaccepted = Unaccepted::new(None);
+        let mut held = Held::new(&tx);
+        for _ in 0..2 {
+            // The second answer is a resend: the row is already accepted, nothing more counts.
+            assert!(
+                record_delivery(&mut held, "A1", DeliveryAnswer::Accepted, 2, None, &mut unaccepted).unwrap()
+            );
+        }
+        drop(held);
+        unaccepted.write(&tx).unwrap();
+        tx.commit().unwrap();
+        assert_eq!(unaccepted_count(&conn).unwrap(), 1);
+        assert_eq!(outbox_counts(&conn).unwrap(), (2, 1));
+    }
+
+    #[test]
     fn a_version_2_file_is_upgraded_and_no_step_builds_a_temporary_btree() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("p.db");
