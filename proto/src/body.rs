@@ -79,7 +79,20 @@ impl Event {
 
     /// Parses a stored canonical body back into an event. Stored bodies were produced by
     /// [`Event::canonical_body`], so a failure here means the file was edited by hand.
+    ///
+    /// A body in exactly the canonical layout (no whitespace, no escape in the three names)
+    /// is read by position and only its payload is parsed, once; anything else, and any
+    /// failure, goes through the general JSON parser, which gives the same event or the
+    /// same error as always. The consumer's `Apply` and the relay read every body once.
     pub fn from_canonical_body(body: &str) -> Result<Event, String> {
+        match from_canonical_layout(body) {
+            Some(event) => Ok(event),
+            None => Event::from_any_body(body),
+        }
+    }
+
+    /// [`Event::from_canonical_body`] through the general JSON parser.
+    fn from_any_body(body: &str) -> Result<Event, String> {
         #[derive(Deserialize)]
         #[serde(deny_unknown_fields)]
         struct Stored {
@@ -103,6 +116,61 @@ impl Event {
             payload,
         })
     }
+}
+
+/// The event in a body written exactly as [`Event::canonical_body`] writes it, read by
+/// position: `None` for anything else (whitespace, an escaped character in a name, another
+/// key order, a payload the transport limits refuse), which the general parser then decides.
+fn from_canonical_layout(body: &str) -> Option<Event> {
+    let rest = body.strip_prefix("{\"event_id\":")?;
+    let (event_id, rest) = plain_string(rest)?;
+    let rest = rest.strip_prefix(",\"flow_id\":")?;
+    let (flow_id, rest) = plain_string(rest)?;
+    let rest = rest.strip_prefix(",\"kind\":")?;
+    let (kind, rest) = plain_string(rest)?;
+    let rest = rest.strip_prefix(",\"payload\":")?;
+    // The top-level `schema` and `seq` end the body; a payload member may be named `schema`,
+    // but it comes before them, so the last occurrence is the top-level one.
+    let at = rest.rfind(",\"schema\":")?;
+    let (payload_text, tail) = rest.split_at(at);
+    let tail = tail.strip_prefix(",\"schema\":")?;
+    let (schema, tail) = tail.split_once(",\"seq\":")?;
+    let seq = tail.strip_suffix('}')?;
+    let schema = plain_number(schema)?.try_into().ok()?;
+    let seq = plain_number(seq)?;
+    let payload = crate::limits::parse_payload(payload_text).ok()?;
+    // Only a payload already in canonical form (what the general parser's re-serialization
+    // would hand over): a hand-edited `-0` or extra space takes the general path.
+    if canonical_payload(&payload) != payload_text {
+        return None;
+    }
+    Some(Event {
+        event_id: event_id.to_owned(),
+        flow_id: flow_id.to_owned(),
+        seq,
+        kind: kind.to_owned(),
+        schema,
+        payload,
+    })
+}
+
+/// A JSON string at the start of `text` with nothing escaped (no `\\`, no control
+/// character), and the text after it.
+fn plain_string(text: &str) -> Option<(&str, &str)> {
+    let inner = text.strip_prefix('"')?;
+    let end = inner.bytes().position(|b| b == b'"' || b == b'\\' || b < 0x20)?;
+    if inner.as_bytes()[end] != b'"' {
+        return None;
+    }
+    Some((&inner[..end], &inner[end + 1..]))
+}
+
+/// A JSON non-negative integer as the canonical body writes it (no sign, no leading zero).
+fn plain_number(text: &str) -> Option<u64> {
+    let valid = !text.is_empty()
+        && text.bytes().all(|b| b.is_ascii_digit())
+        && (text.len() == 1 || !text.starts_with('0'));
+    if valid { text.parse().ok() } else { None }
 }
 
 /// The canonical JSON text of a payload: members sorted by key, no whitespace.
@@ -130,8 +198,18 @@ pub fn canonical_payload(payload: &Payload) -> String {
 
 fn push_json_str(out: &mut String, s: &str) {
     // serde_json's string escaping is deterministic: `"`, `\` and control characters are
-    // escaped, everything else is written as UTF-8. Serializing a &str cannot fail.
-    out.push_str(&serde_json::to_string(s).unwrap_or_default());
+    // escaped, everything else is written as UTF-8. A string with none of them (every id,
+    // kind and payload key the services write) is that string in quotes, written without a
+    // serializer and its allocation; the others go through serde_json. Serializing a &str
+    // cannot fail.
+    if s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
+        out.reserve(s.len() + 2);
+        out.push('"');
+        out.push_str(s);
+        out.push('"');
+    } else {
+        out.push_str(&serde_json::to_string(s).unwrap_or_default());
+    }
 }
 
 #[cfg(test)]
@@ -170,9 +248,50 @@ mod tests {
     }
 
     #[test]
+    fn plain_strings_are_written_as_serde_json_writes_them() {
+        for s in ["", "A1", "reserved", "é ü 漢", "a/b~c\u{7f}", "tab\t", "quo\"te", "back\\slash", "\u{1}"]
+        {
+            let mut out = String::new();
+            push_json_str(&mut out, s);
+            assert_eq!(out, serde_json::to_string(s).unwrap(), "{s:?}");
+        }
+    }
+
+    #[test]
     fn strings_are_escaped_deterministically() {
         let e = event(r#"{"s":"quote\" back\\ tab\t é \u00e9 \u0001"}"#);
         assert_eq!(canonical_payload(&e.payload), "{\"s\":\"quote\\\" back\\\\ tab\\t é é \\u0001\"}");
+    }
+
+    #[test]
+    fn the_canonical_layout_reads_like_the_general_parser() {
+        let bodies = [
+            event(r#"{"units":3,"note":"x"}"#).canonical_body(),
+            // A payload member named like a top-level key, and braces inside a string.
+            event(r#"{"schema":7,"seq":"}{,\"seq\":1}","amount":3}"#).canonical_body(),
+            Event { event_id: "quo\"te".into(), ..event(r#"{"amount":3}"#) }.canonical_body(),
+            r#"{"event_id":"A1", "flow_id":"A","kind":"reserved","payload":{"amount":3},"schema":1,"seq":1}"#
+                .to_owned(),
+            r#"{"event_id":"A1","flow_id":"A","kind":"reserved","payload":{"amount":3},"schema":1,"seq":01}"#
+                .to_owned(),
+            r#"{"event_id":"A1","flow_id":"A","kind":"reserved","payload":{"a":{"b":1}},"schema":1,"seq":1}"#
+                .to_owned(),
+            r#"{"event_id":"A1","flow_id":"A","kind":"reserved","payload":{"amount":-0},"schema":1,"seq":1}"#
+                .to_owned(),
+            r#"{"event_id":"A1","flow_id":"A","kind":"reserved","payload":{"amount": 3},"schema":1,"seq":1}"#
+                .to_owned(),
+            r#"{"event_id":"A1","flow_id":"A","kind":"reserved","payload":{"amount":3},"schema":1,"seq":1,"x":1}"#
+                .to_owned(),
+            r#"{"event_id":"A1","flow_id":"A","kind":"reserved","payload":{"amount":3},"schema":99999999999,"seq":1}"#
+                .to_owned(),
+        ];
+        for body in &bodies {
+            assert_eq!(Event::from_canonical_body(body), Event::from_any_body(body), "{body}");
+        }
+        // The fast path took the canonical ones, and only those.
+        assert!(from_canonical_layout(&bodies[0]).is_some());
+        assert!(from_canonical_layout(&bodies[1]).is_some());
+        assert!(bodies[2..].iter().all(|b| from_canonical_layout(b).is_none()));
     }
 
     #[test]

@@ -419,6 +419,78 @@ impl<E> StepFailure<E> {
     }
 }
 
+/// Statements held prepared for the length of one batch: each is taken from the connection's
+/// statement cache on its first use and kept, so the steps of a batch do not look every
+/// statement up again (rusqlite's cache hashes the whole SQL text on every take and every
+/// return: about 1.5k instructions per statement use, several statements per event). Keyed
+/// by the `&'static str` itself (address and length), never by its text. Drop it before the
+/// transaction commits.
+pub struct Held<'c> {
+    conn: &'c Connection,
+    stmts: Vec<((usize, usize), rusqlite::CachedStatement<'c>)>,
+}
+
+impl<'c> Held<'c> {
+    /// Nothing held yet, on `conn` (a transaction derefs to its connection).
+    pub fn new(conn: &'c Connection) -> Held<'c> {
+        Held { conn, stmts: Vec::new() }
+    }
+
+    /// The connection the statements belong to.
+    pub fn conn(&self) -> &'c Connection {
+        self.conn
+    }
+
+    /// The prepared statement of `sql`, taken from the cache on its first use.
+    pub fn get(&mut self, sql: &'static str) -> rusqlite::Result<&mut rusqlite::CachedStatement<'c>> {
+        let key = (sql.as_ptr() as usize, sql.len());
+        let at = match self.stmts.iter().position(|(k, _)| *k == key) {
+            Some(at) => at,
+            None => {
+                self.stmts.push((key, self.conn.prepare_cached(sql)?));
+                self.stmts.len() - 1
+            }
+        };
+        Ok(&mut self.stmts[at].1)
+    }
+}
+
+/// How the steps of a group-committed transaction are kept apart.
+///
+/// A savepoint per step is what lets one failing step roll back alone, but it is not free:
+/// besides the `SAVEPOINT`/`RELEASE` statements, SQLite copies every page a step changes for
+/// the first time into the savepoint's sub-journal (a 4 KiB copy each, several per step).
+/// Steps almost never fail, so a batch first runs [`Steps::Direct`]: every step straight in
+/// the transaction, and the first failure abandons the transaction (rolled back, nothing
+/// answered, no commit) so the caller runs the same batch again with
+/// [`Steps::Savepoint`], which then decides every step exactly as before. Every decision is
+/// read inside the transaction, so the second run decides what the first would have.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Steps {
+    /// Every step directly in the transaction; any failure means "run the batch again with
+    /// savepoints".
+    Direct,
+    /// Every step in its own savepoint ([`in_savepoint`]).
+    Savepoint,
+}
+
+/// Runs one step as `steps` says: directly (a failure is [`StepFailure::TransactionLost`]:
+/// the transaction must not commit, and the caller runs the batch again with savepoints) or
+/// in its own savepoint ([`in_savepoint`]).
+pub fn in_step<T, E>(
+    tx: &Transaction<'_>,
+    steps: Steps,
+    step: impl FnOnce(&Transaction<'_>) -> Result<T, E>,
+) -> Result<T, StepFailure<E>>
+where
+    E: From<rusqlite::Error>,
+{
+    match steps {
+        Steps::Direct => step(tx).map_err(StepFailure::TransactionLost),
+        Steps::Savepoint => in_savepoint(tx, step),
+    }
+}
+
 /// Runs one step of a group-committed transaction inside its own `SAVEPOINT`: on success the
 /// savepoint is released (the step commits with the transaction); on failure only the
 /// step's writes are undone, so one failing step never fails the others sharing the commit.

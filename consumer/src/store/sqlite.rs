@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use proto::body::Event;
 use proto::crash::{CrashPoint, CrashSwitch};
-use proto::db::{self, DbError, DbKind, StepFailure};
+use proto::db::{self, DbError, DbKind, Held, StepFailure, Steps};
 use proto::flow::Kind;
 use runtime::blocking::{lock, with_locked};
 use rusqlite::{Connection, OptionalExtension, Transaction, params};
@@ -24,9 +24,22 @@ use crate::rules::{BlockReason, Decision, Projection, decide_next};
 use crate::storage::StorageWatch;
 
 /// consumer.db: identity and schema (version 2: version 1 plus the database identity;
-/// version 3: the state and reason checks without `IN` lists; a new file gets version 1's
-/// schema and then every upgrade).
-pub const KIND: DbKind = DbKind::consumer(3, SCHEMA, &[IDENTITY_SQL, PLAIN_CHECKS_SQL]);
+/// version 3: the state and reason checks without `IN` lists; version 4: the backlog counter
+/// kept by the store, not by triggers; a new file gets version 1's schema and then every
+/// upgrade).
+pub const KIND: DbKind =
+    DbKind::consumer(4, SCHEMA, &[IDENTITY_SQL, PLAIN_CHECKS_SQL, COUNTER_WITHOUT_TRIGGERS_SQL]);
+
+/// Version 4: `backlog.unapplied` is kept exact by the store functions that change it
+/// ([`Unapplied`]: one UPDATE per transaction, before its commit), not by a trigger per row.
+/// A trigger on `inbox` made every insert and every applied mark a multi-statement write
+/// that opens its own statement journal (every page it touches copied first) and ran an
+/// UPDATE of the counter per row. The counter is exact when the triggers are dropped, and
+/// stays exact: every insert into `inbox` and every change of its `state` is in this module.
+const COUNTER_WITHOUT_TRIGGERS_SQL: &str = "
+DROP TRIGGER backlog_insert;
+DROP TRIGGER backlog_applied;
+";
 
 /// Version 3: the same checks on `inbox.state`, `inbox.reason` and `projection.state`,
 /// written as comparisons. SQLite evaluates a constant `IN` list of more than two values
@@ -276,42 +289,59 @@ impl SqliteStore {
     }
 }
 
-/// The Receive batch on SQLite: one `BEGIN IMMEDIATE` transaction, a savepoint per envelope
-/// (see [`ConsumerStore::receive_batch`](super::ConsumerStore::receive_batch)). An envelope
-/// whose stream already failed is not stored; every failed envelope fails its stream.
+/// The Receive batch on SQLite: one `BEGIN IMMEDIATE` transaction, the envelopes decided in
+/// order (see [`ConsumerStore::receive_batch`](super::ConsumerStore::receive_batch)): first
+/// directly in the transaction, and if one fails, once more with a savepoint per envelope
+/// (see [`db::Steps`]). An envelope whose stream already failed is not stored; every failed
+/// envelope fails its stream.
 fn receive_batch(conn: &mut Connection, jobs: &[Incoming], ctx: ReceiveContext) -> Vec<BatchAnswer> {
+    match receive_in_tx(conn, jobs, ctx, Steps::Direct) {
+        Some(answers) => answers,
+        // With savepoints every failure is answered; nothing asks for another run.
+        None => receive_in_tx(conn, jobs, ctx, Steps::Savepoint).unwrap_or_default(),
+    }
+}
+
+/// One run of [`receive_batch`]; `None` when an envelope failed in a `Direct` run (the
+/// transaction is rolled back; nothing is answered, no stream is failed, nothing reported).
+fn receive_in_tx(
+    conn: &mut Connection,
+    jobs: &[Incoming],
+    ctx: ReceiveContext,
+    steps: Steps,
+) -> Option<Vec<BatchAnswer>> {
     let storage = ctx.storage;
     let report = |e: &StoreError| {
         if let Some(watch) = storage {
             watch.commit_failed(e);
         }
     };
-    let fail_all = |e: StoreError| -> Vec<BatchAnswer> {
-        jobs.iter()
-            .map(|job| {
-                job.stream.fail();
-                Some(Err(e.clone()))
-            })
-            .collect()
+    let fail_all = |e: StoreError| -> Option<Vec<BatchAnswer>> {
+        report(&e);
+        Some(
+            jobs.iter()
+                .map(|job| {
+                    job.stream.fail();
+                    Some(Err(e.clone()))
+                })
+                .collect(),
+        )
     };
     let tx = match db::begin_immediate(conn) {
         Ok(tx) => tx,
-        Err(e) => {
-            let e = StoreError::from(e);
-            report(&e);
-            return fail_all(e);
-        }
+        Err(e) => return fail_all(StoreError::from(e)),
     };
+    let mut unapplied = Unapplied::default();
+    let mut held = Held::new(&tx);
     let mut results = Vec::with_capacity(jobs.len());
-    let mut inserted = false;
     for job in jobs {
         if job.stream.failed() {
             results.push(None);
             continue;
         }
         let now = runtime::now_us();
-        let decided = db::in_savepoint(&tx, |tx| {
-            let outcome = insert_pending(tx, &job.event, now, ctx.admission)?;
+        let decided = db::in_step(&tx, steps, |tx| {
+            let outcome = insert_pending_with(&mut held, &job.event, now, ctx.admission, &mut unapplied)?;
             let position = match outcome {
                 ReceiveOutcome::Accepted => u64::try_from(tx.last_insert_rowid()).unwrap_or(0),
                 ReceiveOutcome::Duplicate => inbox_position(tx, &job.event.event_id)?.unwrap_or(0),
@@ -322,42 +352,44 @@ fn receive_batch(conn: &mut Connection, jobs: &[Incoming], ctx: ReceiveContext) 
         match decided {
             Ok(received) => {
                 if received.outcome == ReceiveOutcome::Accepted {
-                    inserted = true;
                     ctx.crash.reach(CrashPoint::ConsumerReceiveAfterInsert);
                 }
                 results.push(Some(Ok(received)));
             }
+            Err(_) if steps == Steps::Direct => return None,
             Err(StepFailure::RolledBack(e)) => {
                 report(&e);
                 job.stream.fail();
                 results.push(Some(Err(e)));
             }
             Err(StepFailure::TransactionLost(e)) => {
+                drop(held);
                 drop(tx);
-                report(&e);
                 return fail_all(e);
             }
         }
     }
-    if !inserted {
+    drop(held);
+    if !unapplied.changed() {
         // Nothing was written; dropping the transaction releases the lock.
-        return results;
+        return Some(results);
+    }
+    if let Err(e) = unapplied.write(&tx) {
+        drop(tx);
+        return fail_all(e);
     }
     if let Some(refused) = storage.map_or(Ok(()), |watch| watch.before_commit()).err() {
         drop(tx);
-        report(&refused);
         return fail_all(refused);
     }
     if let Err(e) = tx.commit() {
-        let e = StoreError::from(e);
-        report(&e);
-        return fail_all(e);
+        return fail_all(StoreError::from(e));
     }
     if let Some(watch) = storage {
         watch.commit_succeeded();
     }
     ctx.crash.reach(CrashPoint::ConsumerReceiveAfterCommit);
-    results
+    Some(results)
 }
 
 /// What one step inside the open transaction did.
@@ -367,12 +399,13 @@ enum Progress {
 }
 
 /// Applies each of `flows` in turn, up to `max_steps` each, with consecutive steps of many
-/// flows in one `BEGIN IMMEDIATE` transaction of up to `opts.max_batch` steps. Each step is
-/// its own savepoint: a failing step rolls back alone and fails only its flow (the others'
-/// steps in the same transaction commit); if the whole transaction is lost, every flow that
-/// wrote in it fails and keeps only what was committed before. `consumer.apply.after_commit`
-/// is reached after each commit that holds an applied step. Blocking: call it on a blocking
-/// thread.
+/// flows in one `BEGIN IMMEDIATE` transaction of up to `opts.max_batch` steps. A failing step
+/// rolls back alone and fails only its flow (the others' steps in the same transaction
+/// commit): each transaction first runs its steps directly, and if one fails, runs again from
+/// the same flow with a savepoint per step (see [`db::Steps`]). If the whole transaction is
+/// lost, every flow that wrote in it fails and keeps only what was committed before.
+/// `consumer.apply.after_commit` is reached after each commit that holds an applied step.
+/// Blocking: call it on a blocking thread.
 fn apply_flows(
     shared: &Mutex<Connection>,
     flows: Vec<String>,
@@ -383,8 +416,8 @@ fn apply_flows(
     // The projection each flow's last step wrote inside the open transaction (what a read
     // would return now); `None` at the start of each transaction, so it is read again.
     let mut known: Vec<Option<Projection>> = vec![None; runs.len()];
-    let max_batch = opts.max_batch.max(1);
     let mut next = 0;
+    let mut steps = Steps::Direct;
     while next < runs.len() {
         let mut guard = lock(shared);
         let started = std::time::Instant::now();
@@ -402,45 +435,33 @@ fn apply_flows(
                 break;
             }
         };
-        let mut steps = 0;
-        let mut lost = None;
-        while next < runs.len() && steps < max_batch {
-            let run = &mut runs[next];
-            let budget_left = run.committed.len() + run.pending.len() < max_steps as usize;
-            match step_in_tx(&tx, &run.flow_id, known[next], budget_left, &opts) {
-                Ok(Progress::Applied { event_id, after }) => {
-                    known[next] = Some(after);
-                    run.pending.push(event_id);
-                    run.wrote = true;
-                    steps += 1;
-                }
-                Ok(Progress::Stopped { stop, projection, wrote }) => {
-                    run.wrote |= wrote;
-                    steps += usize::from(wrote);
-                    run.end = Some(Ok((stop, projection)));
-                    next += 1;
-                }
-                Err(StepFailure::RolledBack(e)) => {
-                    run.end = Some(Err(e));
-                    next += 1;
-                }
-                Err(StepFailure::TransactionLost(e)) => {
-                    lost = Some(e.clone());
-                    run.end = Some(Err(e));
-                    run.pending.clear();
-                    run.wrote = false;
-                    next += 1;
-                    break;
-                }
-            }
-        }
+        let first = next;
+        let ran = apply_in_tx(&tx, &mut runs, &mut known, &mut next, max_steps, &opts, steps);
         known.fill(None);
+        let Some(mut ran) = ran else {
+            // A step failed in a direct run: nothing of it stays; the same flows run again
+            // with a savepoint per step.
+            drop(tx);
+            for run in &mut runs[first..=next] {
+                run.pending.clear();
+                run.wrote = false;
+                run.end = None;
+            }
+            next = first;
+            steps = Steps::Savepoint;
+            continue;
+        };
+        steps = Steps::Direct;
         let wrote_any = runs.iter().any(|r| r.wrote);
-        let finished = if let Some(e) = lost {
+        let finished = if let Some(e) = ran.lost {
             drop(tx);
             Err(e)
         } else if wrote_any {
-            match opts.storage.map_or(Ok(()), |watch| watch.before_commit()) {
+            let checked = ran.unapplied.write(&tx).and_then(|()| match opts.storage {
+                Some(watch) => watch.before_commit(),
+                None => Ok(()),
+            });
+            match checked {
                 Ok(()) => tx.commit().map_err(StoreError::from),
                 Err(refused) => {
                     drop(tx);
@@ -458,6 +479,73 @@ fn apply_flows(
     reports(runs, &opts)
 }
 
+/// What one transaction of [`apply_flows`] left to settle.
+struct Ran {
+    /// The counter change its applied steps made.
+    unapplied: Unapplied,
+    /// The whole transaction was lost (the flow that lost it already has its error).
+    lost: Option<StoreError>,
+}
+
+/// The steps of one transaction of [`apply_flows`], from flow `*next` on, up to
+/// `opts.max_batch` steps; `None` when a step failed in a `Direct` run (the caller rolls the
+/// transaction back and runs the same flows again with savepoints).
+fn apply_in_tx(
+    tx: &Transaction<'_>,
+    runs: &mut [FlowRun],
+    known: &mut [Option<Projection>],
+    next: &mut usize,
+    max_steps: u32,
+    opts: &ApplyOptions,
+    steps: Steps,
+) -> Option<Ran> {
+    let max_batch = opts.max_batch.max(1);
+    let mut ran = Ran { unapplied: Unapplied::default(), lost: None };
+    let mut held = Held::new(tx);
+    let mut written = 0;
+    while *next < runs.len() && written < max_batch {
+        let run = &mut runs[*next];
+        let budget_left = run.committed.len() + run.pending.len() < max_steps as usize;
+        match step_in_tx(
+            tx,
+            &mut held,
+            &run.flow_id,
+            known[*next],
+            budget_left,
+            opts,
+            steps,
+            &mut ran.unapplied,
+        ) {
+            Ok(Progress::Applied { event_id, after }) => {
+                known[*next] = Some(after);
+                run.pending.push(event_id);
+                run.wrote = true;
+                written += 1;
+            }
+            Ok(Progress::Stopped { stop, projection, wrote }) => {
+                run.wrote |= wrote;
+                written += usize::from(wrote);
+                run.end = Some(Ok((stop, projection)));
+                *next += 1;
+            }
+            Err(_) if steps == Steps::Direct => return None,
+            Err(StepFailure::RolledBack(e)) => {
+                run.end = Some(Err(e));
+                *next += 1;
+            }
+            Err(StepFailure::TransactionLost(e)) => {
+                ran.lost = Some(e.clone());
+                run.end = Some(Err(e));
+                run.pending.clear();
+                run.wrote = false;
+                *next += 1;
+                break;
+            }
+        }
+    }
+    Some(ran)
+}
+
 /// A failure outside a savepoint (a read): the transaction survives unless SQLite dropped it.
 fn classify(tx: &Transaction<'_>, e: StoreError) -> StepFailure<StoreError> {
     if tx.is_autocommit() { StepFailure::TransactionLost(e) } else { StepFailure::RolledBack(e) }
@@ -466,18 +554,22 @@ fn classify(tx: &Transaction<'_>, e: StoreError) -> StepFailure<StoreError> {
 /// Reads the projection (unless this transaction's previous step of the flow just wrote it:
 /// `known`) and the row at its next seq inside the open transaction, decides, and writes the
 /// decision in its own savepoint.
+#[allow(clippy::too_many_arguments)]
 fn step_in_tx(
     tx: &Transaction<'_>,
+    held: &mut Held<'_>,
     flow_id: &str,
     known: Option<Projection>,
     budget_left: bool,
     opts: &ApplyOptions,
+    steps: Steps,
+    unapplied: &mut Unapplied,
 ) -> std::result::Result<Progress, StepFailure<StoreError>> {
     let from = match known {
         Some(projection) => projection,
-        None => projection(tx, flow_id).map_err(|e| classify(tx, e))?,
+        None => projection_with(held, flow_id).map_err(|e| classify(tx, e))?,
     };
-    let next = next_to_apply(tx, flow_id, from.next_seq()).map_err(|e| classify(tx, e))?;
+    let next = next_to_apply_with(held, flow_id, from.next_seq()).map_err(|e| classify(tx, e))?;
     let row = match next {
         Next::Idle => return Ok(Progress::Stopped { stop: Stop::Idle, projection: from, wrote: false }),
         Next::Gap => {
@@ -496,7 +588,7 @@ fn step_in_tx(
         Decision::Block { reason, detail } => {
             let mut wrote = false;
             if row.state != InboxState::Blocked || row.reason != Some(reason) {
-                wrote = db::in_savepoint(tx, |tx| mark_blocked(tx, &row.event_id, reason))?;
+                wrote = db::in_step(tx, steps, |tx| mark_blocked(tx, &row.event_id, reason))?;
                 if wrote {
                     tracing::warn!(
                         flow_id,
@@ -513,7 +605,10 @@ fn step_in_tx(
         }
         Decision::Apply { kind, after } => {
             let now = runtime::now_us();
-            match db::in_savepoint(tx, |tx| apply_step(tx, &row, &from, kind, &after, &opts.crash, now))? {
+            let applied = db::in_step(tx, steps, |_| {
+                apply_step_with(held, &row, &from, kind, &after, &opts.crash, now, unapplied)
+            })?;
+            match applied {
                 StepOutcome::Applied => {
                     tracing::debug!(flow_id, event_id = %row.event_id, seq = row.seq, "applied");
                     Ok(Progress::Applied { event_id: row.event_id, after })
@@ -538,10 +633,23 @@ pub fn insert_pending(
     event: &Event,
     now_us: i64,
     admission: Admission,
+    counter: &mut Unapplied,
 ) -> Result<ReceiveOutcome> {
+    insert_pending_with(&mut Held::new(tx), event, now_us, admission, counter)
+}
+
+/// [`insert_pending`] with the batch's held statements.
+fn insert_pending_with(
+    held: &mut Held<'_>,
+    event: &Event,
+    now_us: i64,
+    admission: Admission,
+    counter: &mut Unapplied,
+) -> Result<ReceiveOutcome> {
+    let tx = held.conn();
     let body = event.canonical_body();
     if let Admission::Cap(cap) = admission {
-        let unapplied = unapplied_count(tx)?;
+        let unapplied = counter.count(tx)?;
         if unapplied >= cap {
             if let Some(known) = stored_outcome(tx, event, &body)? {
                 return Ok(known);
@@ -551,13 +659,14 @@ pub fn insert_pending(
             }
         }
     }
-    let inserted = tx
-        .prepare_cached(
+    let inserted = held
+        .get(
             "INSERT INTO inbox(event_id, flow_id, seq, kind, schema, body, state, received_at_us)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'pending', ?7) ON CONFLICT DO NOTHING",
         )?
         .execute(params![event.event_id, event.flow_id, event.seq, event.kind, event.schema, body, now_us])?;
     if inserted == 1 {
+        counter.delta += 1;
         return Ok(ReceiveOutcome::Accepted);
     }
     stored_outcome(tx, event, &body)?.ok_or_else(|| {
@@ -570,7 +679,7 @@ pub fn insert_pending(
 
 /// What the stored rows say about `event`: the same body under its id (`Duplicate`), another
 /// body (`IdConflict`), another id at its (flow_id, seq) (`SequenceConflict`), or nothing.
-fn stored_outcome(tx: &Transaction<'_>, event: &Event, body: &str) -> Result<Option<ReceiveOutcome>> {
+fn stored_outcome(tx: &Connection, event: &Event, body: &str) -> Result<Option<ReceiveOutcome>> {
     let stored: Option<String> = tx
         .prepare_cached("SELECT body FROM inbox WHERE event_id = ?1")?
         .query_row([&event.event_id], |r| r.get(0))
@@ -610,9 +719,48 @@ pub fn touch_probe(tx: &Transaction<'_>, now_us: i64) -> Result<()> {
     Ok(())
 }
 
-/// Unapplied (pending + blocked) inbox rows, from the trigger-kept counter.
+/// Unapplied (pending + blocked) inbox rows, from the counter the store keeps exact.
 pub fn unapplied_count(conn: &Connection) -> Result<u64> {
     Ok(conn.prepare_cached("SELECT unapplied FROM backlog WHERE id = 1")?.query_row([], |r| r.get(0))?)
+}
+
+/// The `backlog.unapplied` counter inside one write transaction: read at most once (when the
+/// cap needs it), this transaction's changes summed, and written once before the commit
+/// ([`Unapplied::write`]). [`insert_pending`] and [`apply_step`], the only writes that
+/// change how many rows are unapplied, take one, so the counter stays exact in the same
+/// transaction as the rows.
+#[derive(Debug, Default)]
+pub struct Unapplied {
+    stored: Option<u64>,
+    delta: i64,
+}
+
+impl Unapplied {
+    /// Unapplied rows as this transaction sees them now: the stored counter (read once) plus
+    /// this transaction's changes.
+    pub fn count(&mut self, tx: &Connection) -> Result<u64> {
+        let stored = match self.stored {
+            Some(n) => n,
+            None => *self.stored.insert(unapplied_count(tx)?),
+        };
+        Ok(stored.saturating_add_signed(self.delta))
+    }
+
+    /// Whether this transaction changed the counter (it inserted or applied a row).
+    pub fn changed(&self) -> bool {
+        self.delta != 0
+    }
+
+    /// Writes this transaction's change of the counter (nothing when there is none).
+    pub fn write(&mut self, tx: &Transaction<'_>) -> Result<()> {
+        if self.delta != 0 {
+            tx.prepare_cached("UPDATE backlog SET unapplied = unapplied + ?1 WHERE id = 1")?
+                .execute([self.delta])?;
+            self.stored = self.stored.map(|n| n.saturating_add_signed(self.delta));
+            self.delta = 0;
+        }
+        Ok(())
+    }
 }
 
 /// Whether `event` is exactly the next seq of a flow that already has rows waiting behind it.
@@ -628,8 +776,13 @@ fn fills_gap(conn: &Connection, event: &Event) -> Result<bool> {
 
 /// The flow's projection; a flow nothing was applied to is [`Projection::NEW`].
 pub fn projection(conn: &Connection, flow_id: &str) -> Result<Projection> {
-    let row = conn
-        .prepare_cached("SELECT last_seq, state, held, amount FROM projection WHERE flow_id = ?1")?
+    projection_with(&mut Held::new(conn), flow_id)
+}
+
+/// [`projection`] with the batch's held statements.
+fn projection_with(held: &mut Held<'_>, flow_id: &str) -> Result<Projection> {
+    let row = held
+        .get("SELECT last_seq, state, held, amount FROM projection WHERE flow_id = ?1")?
         .query_row([flow_id], |r| {
             Ok((r.get::<_, u64>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?, r.get::<_, i64>(3)?))
         })
@@ -669,8 +822,12 @@ fn inbox_record(raw: RawInbox) -> Result<InboxRecord> {
 /// The row at exactly `next_seq` of the flow ("greater than last_seq" would skip a gap), or
 /// whether a later one waits.
 pub fn next_to_apply(conn: &Connection, flow_id: &str, next_seq: u64) -> Result<Next> {
-    let raw =
-        conn.prepare_cached(INBOX_AT_SEQ_SQL)?.query_row(params![flow_id, next_seq], raw_inbox).optional()?;
+    next_to_apply_with(&mut Held::new(conn), flow_id, next_seq)
+}
+
+/// [`next_to_apply`] with the batch's held statements.
+fn next_to_apply_with(held: &mut Held<'_>, flow_id: &str, next_seq: u64) -> Result<Next> {
+    let raw = held.get(INBOX_AT_SEQ_SQL)?.query_row(params![flow_id, next_seq], raw_inbox).optional()?;
     if let Some(raw) = raw {
         let row = inbox_record(raw)?;
         if row.state == InboxState::Applied {
@@ -681,8 +838,7 @@ pub fn next_to_apply(conn: &Connection, flow_id: &str, next_seq: u64) -> Result<
         }
         return Ok(Next::Row(row));
     }
-    let later: bool =
-        conn.prepare_cached(LATER_UNAPPLIED_SQL)?.query_row(params![flow_id, next_seq], |r| r.get(0))?;
+    let later: bool = held.get(LATER_UNAPPLIED_SQL)?.query_row(params![flow_id, next_seq], |r| r.get(0))?;
     Ok(if later { Next::Gap } else { Next::Idle })
 }
 
@@ -706,8 +862,10 @@ pub fn mark_blocked(tx: &Transaction<'_>, event_id: &str, reason: BlockReason) -
 /// Inside the caller's `BEGIN IMMEDIATE` transaction, the applied step of SPEC §7: only if
 /// the stored projection is still `from` (checked by the guarded write itself, never
 /// trusting the caller's copy) updates it to `after`, inserts the effect and marks `row`
-/// applied. Any failure (a constraint, a trigger) is returned before commit, so the caller's
-/// rollback undoes all three. Crash points `consumer.apply.after_projection` and `.after_effect` sit inside.
+/// applied (counted in `unapplied`). Any failure (a constraint, a trigger) is returned before
+/// commit, so the caller's rollback undoes all three. Crash points
+/// `consumer.apply.after_projection` and `.after_effect` sit inside.
+#[allow(clippy::too_many_arguments)]
 pub fn apply_step(
     tx: &Transaction<'_>,
     row: &InboxRecord,
@@ -716,6 +874,22 @@ pub fn apply_step(
     after: &Projection,
     crash: &CrashSwitch,
     now_us: i64,
+    unapplied: &mut Unapplied,
+) -> Result<StepOutcome> {
+    apply_step_with(&mut Held::new(tx), row, from, kind, after, crash, now_us, unapplied)
+}
+
+/// [`apply_step`] with the batch's held statements.
+#[allow(clippy::too_many_arguments)]
+fn apply_step_with(
+    held: &mut Held<'_>,
+    row: &InboxRecord,
+    from: &Projection,
+    kind: Kind,
+    after: &Projection,
+    crash: &CrashSwitch,
+    now_us: i64,
+    unapplied: &mut Unapplied,
 ) -> Result<StepOutcome> {
     if after.last_seq != row.seq {
         return Ok(StepOutcome::Raced);
@@ -723,7 +897,7 @@ pub fn apply_step(
     // The write itself checks that the stored projection is still `from` (no row at all for
     // a new flow), so nothing is written when another applier moved it.
     let moved = if *from == Projection::NEW {
-        tx.prepare_cached(
+        held.get(
             "INSERT INTO projection(flow_id, last_seq, state, held, amount) VALUES (?1, ?2, ?3, ?4, ?5)
              ON CONFLICT(flow_id) DO NOTHING",
         )?
@@ -735,7 +909,7 @@ pub fn apply_step(
             after.amount
         ])?
     } else {
-        tx.prepare_cached(
+        held.get(
             "UPDATE projection SET last_seq = ?2, state = ?3, held = ?4, amount = ?5
              WHERE flow_id = ?1 AND last_seq = ?6 AND state = ?7 AND held = ?8 AND amount = ?9",
         )?
@@ -755,13 +929,13 @@ pub fn apply_step(
         return Ok(StepOutcome::Raced);
     }
     crash.reach(CrashPoint::ConsumerApplyAfterProjection);
-    tx.prepare_cached(
+    held.get(
         "INSERT INTO effect(event_id, flow_id, seq, kind, held, applied_at_us)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
     )?
     .execute(params![row.event_id, row.flow_id, row.seq, kind.as_str(), after.held, now_us])?;
-    let marked = tx
-        .prepare_cached(
+    let marked = held
+        .get(
             "UPDATE inbox SET state = 'applied', reason = NULL, applied_at_us = ?2
              WHERE event_id = ?1 AND state <> 'applied'",
         )?
@@ -772,6 +946,7 @@ pub fn apply_step(
             row.event_id, from.last_seq
         )));
     }
+    unapplied.delta -= 1;
     crash.reach(CrashPoint::ConsumerApplyAfterEffect);
     Ok(StepOutcome::Applied)
 }
@@ -871,7 +1046,9 @@ mod tests {
 
     fn receive(conn: &mut Connection, e: &Event) -> ReceiveOutcome {
         let tx = db::begin_immediate(conn).unwrap();
-        let outcome = insert_pending(&tx, e, 1, Admission::Unlimited).unwrap();
+        let mut unapplied = Unapplied::default();
+        let outcome = insert_pending(&tx, e, 1, Admission::Unlimited, &mut unapplied).unwrap();
+        unapplied.write(&tx).unwrap();
         tx.commit().unwrap();
         outcome
     }
@@ -883,14 +1060,19 @@ mod tests {
         let event = Event::from_canonical_body(&row.body).unwrap();
         let Decision::Apply { kind, after } = decide_next(&from, &event, false) else { return None };
         let tx = db::begin_immediate(conn).unwrap();
-        let outcome = apply_step(&tx, &row, &from, kind, &after, &CrashSwitch::default(), 2).unwrap();
+        let mut unapplied = Unapplied::default();
+        let outcome =
+            apply_step(&tx, &row, &from, kind, &after, &CrashSwitch::default(), 2, &mut unapplied).unwrap();
+        unapplied.write(&tx).unwrap();
         tx.commit().unwrap();
         Some(outcome)
     }
 
     fn receive_capped(conn: &mut Connection, e: &Event, cap: u64) -> ReceiveOutcome {
         let tx = db::begin_immediate(conn).unwrap();
-        let outcome = insert_pending(&tx, e, 1, Admission::Cap(cap)).unwrap();
+        let mut unapplied = Unapplied::default();
+        let outcome = insert_pending(&tx, e, 1, Admission::Cap(cap), &mut unapplied).unwrap();
+        unapplied.write(&tx).unwrap();
         tx.commit().unwrap();
         outcome
     }
@@ -948,6 +1130,40 @@ mod tests {
         "UPDATE projection SET last_seq = ?2, state = ?3, held = ?4, amount = ?5
          WHERE flow_id = ?1 AND last_seq = ?6 AND state = ?7 AND held = ?8 AND amount = ?9",
     ];
+
+    #[test]
+    fn a_version_3_file_loses_its_counter_triggers_and_keeps_its_count() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.db");
+        let v3 = DbKind::consumer(3, SCHEMA, &[IDENTITY_SQL, PLAIN_CHECKS_SQL]);
+        let conn = db::open(&path, &v3, db::OpenMode::Create).unwrap();
+        // Rows written by a version 3 build: its triggers count them.
+        for (id, seq) in [("A1", 1), ("A2", 2)] {
+            let body = reference("A", seq).canonical_body();
+            conn.execute(
+                "INSERT INTO inbox(event_id, flow_id, seq, kind, schema, body, state, received_at_us)
+                 VALUES (?1, 'A', ?2, 'reserved', 1, ?3, 'pending', 1)",
+                params![id, seq, body],
+            )
+            .unwrap();
+        }
+        assert_eq!(unapplied_count(&conn).unwrap(), 2);
+        drop(conn);
+        let mut conn = open(&path).unwrap();
+        let triggers: i64 = conn
+            .query_row("SELECT count(*) FROM sqlite_schema WHERE type = 'trigger'", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(triggers, 0);
+        assert_eq!(unapplied_count(&conn).unwrap(), 2, "the count survives the upgrade");
+        // From now on the store keeps it: once per row, not twice.
+        assert_eq!(receive(&mut conn, &reference("A", 3)), ReceiveOutcome::Accepted);
+        assert_eq!(unapplied_count(&conn).unwrap(), 3);
+        assert_eq!(step(&mut conn, "A"), Some(StepOutcome::Applied));
+        let rows: i64 =
+            conn.query_row("SELECT count(*) FROM inbox WHERE state <> 'applied'", [], |r| r.get(0)).unwrap();
+        assert_eq!(unapplied_count(&conn).unwrap(), rows as u64);
+        assert_eq!(rows, 2);
+    }
 
     #[test]
     fn a_version_2_file_is_upgraded_and_no_step_builds_a_temporary_btree() {
@@ -1039,6 +1255,10 @@ mod tests {
         assert_eq!(next_to_apply(&conn, "A", 4).unwrap(), Next::Idle);
         receive(&mut conn, &reference("A", 1));
         assert!(matches!(next_to_apply(&conn, "A", 1).unwrap(), Next::Row(r) if r.event_id == "A1"));
+        // An applied row where the projection says the next seq waits is reported, not skipped.
+        assert_eq!(step(&mut conn, "A"), Some(StepOutcome::Applied));
+        let err = next_to_apply(&conn, "A", 1).unwrap_err();
+        assert!(matches!(err, StoreError::Inconsistent(_)), "{err}");
     }
 
     #[test]
@@ -1061,7 +1281,8 @@ mod tests {
         };
         let tx = db::begin_immediate(&mut a).unwrap();
         assert_eq!(
-            apply_step(&tx, &row, &from, kind, &after, &CrashSwitch::default(), 3).unwrap(),
+            apply_step(&tx, &row, &from, kind, &after, &CrashSwitch::default(), 3, &mut Unapplied::default())
+                .unwrap(),
             StepOutcome::Raced
         );
         drop(tx);
@@ -1088,7 +1309,9 @@ mod tests {
             panic!("apply")
         };
         let tx = db::begin_immediate(&mut conn).unwrap();
-        let err = apply_step(&tx, &row, &from, kind, &after, &CrashSwitch::default(), 3).unwrap_err();
+        let err =
+            apply_step(&tx, &row, &from, kind, &after, &CrashSwitch::default(), 3, &mut Unapplied::default())
+                .unwrap_err();
         assert!(err.to_string().contains("effects frozen"), "{err}");
         drop(tx);
         assert_eq!(projection(&conn, "A").unwrap(), Projection::NEW);
@@ -1115,7 +1338,8 @@ mod tests {
         let Decision::Apply { kind, after } = decide_next(&from, &v2, true) else { panic!("apply") };
         let tx = db::begin_immediate(&mut conn).unwrap();
         assert_eq!(
-            apply_step(&tx, row, &from, kind, &after, &CrashSwitch::default(), 3).unwrap(),
+            apply_step(&tx, row, &from, kind, &after, &CrashSwitch::default(), 3, &mut Unapplied::default())
+                .unwrap(),
             StepOutcome::Applied
         );
         assert!(!mark_blocked(&tx, "A1", BlockReason::InvalidPayload).unwrap());

@@ -9,7 +9,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use proto::crash::{CrashPoint, CrashSwitch};
-use proto::db::{self, DbError, DbKind, OpenMode};
+use proto::db::{self, DbError, DbKind, Held, OpenMode};
 use proto::flow::FlowState;
 use runtime::metrics::{GaugeReader, GaugeSample};
 use rusqlite::{Connection, OptionalExtension, Transaction, params};
@@ -23,8 +23,22 @@ use crate::request::AdvanceCommand;
 
 /// producer.db: identity and schema (version 2: version 1, then the database identity and
 /// which consumer database accepted each row, at which position; version 3: the flow state
-/// check without an `IN` list).
-pub const KIND: DbKind = DbKind::producer(3, SCHEMA, &[IDENTITY_SQL, PLAIN_CHECKS_SQL]);
+/// check without an `IN` list; version 4: the backlog counter kept by the store, not by
+/// triggers).
+pub const KIND: DbKind =
+    DbKind::producer(4, SCHEMA, &[IDENTITY_SQL, PLAIN_CHECKS_SQL, COUNTER_WITHOUT_TRIGGERS_SQL]);
+
+/// Version 4: `backlog.unaccepted` is kept exact by the store functions that change it
+/// ([`Unaccepted`]: one UPDATE per transaction, before its commit), not by a trigger per row.
+/// A trigger on `outbox` made every insert and every answer's UPDATE a multi-statement write
+/// that opens its own statement journal (every page it touches copied first) and ran an
+/// UPDATE of the counter per row. The counter is exact when the triggers are dropped, and
+/// stays exact: every write of `outbox.accepted` is in this module.
+const COUNTER_WITHOUT_TRIGGERS_SQL: &str = "
+DROP TRIGGER backlog_insert;
+DROP TRIGGER backlog_accepted;
+DROP TRIGGER backlog_unmarked;
+";
 
 /// Version 3: the same check on `flow.state`, written as comparisons. SQLite evaluates a
 /// constant `IN` list of more than two values through a temporary b-tree built anew at every
@@ -212,11 +226,22 @@ impl SqliteStore {
             let tx = db::begin_immediate(conn)?;
             let now = runtime::now_us();
             let mut marked = false;
+            let mut unaccepted = Unaccepted::new(None);
+            let mut held = Held::new(&tx);
             for answer in &answers {
                 let accepted_by = answer.accepted_by(consumer_db.as_deref());
-                record_delivery(&tx, &answer.event_id, answer.answer, now, accepted_by)?;
+                record_delivery(
+                    &mut held,
+                    &answer.event_id,
+                    answer.answer,
+                    now,
+                    accepted_by,
+                    &mut unaccepted,
+                )?;
                 marked |= answer.answer.holds_event();
             }
+            drop(held);
+            unaccepted.write(&tx)?;
             if marked {
                 crash.reach(CrashPoint::RelayAfterMark);
             }
@@ -251,7 +276,9 @@ impl SqliteStore {
             let tx = db::begin_immediate(conn)?;
             let lost = lost_rows(&tx, &consumer_db, highest_position)?;
             if lost.other_database + lost.beyond_history > 0 {
-                unmark_lost(&tx, &consumer_db, highest_position)?;
+                let mut unaccepted = Unaccepted::new(None);
+                unmark_lost(&tx, &consumer_db, highest_position, &mut unaccepted)?;
+                unaccepted.write(&tx)?;
                 tx.commit()?;
             }
             Ok(lost)
@@ -260,34 +287,91 @@ impl SqliteStore {
     }
 }
 
+/// The `backlog.unaccepted` counter inside one write transaction: read at most once (when the
+/// cap needs it), this transaction's changes summed, and written once before the commit
+/// ([`Unaccepted::write`]). Every function here that inserts an outbox row or changes its
+/// `accepted` takes one, so the counter stays exact in the same transaction as the rows.
+#[derive(Debug)]
+pub struct Unaccepted {
+    cap: Option<u64>,
+    stored: Option<u64>,
+    delta: i64,
+}
+
+impl Unaccepted {
+    /// No change yet; `cap` is the outbox cap the transaction's calls are checked against.
+    pub fn new(cap: Option<u64>) -> Unaccepted {
+        Unaccepted { cap, stored: None, delta: 0 }
+    }
+
+    /// Unaccepted rows as this transaction sees them now (the stored counter read once, plus
+    /// this transaction's changes), with the cap; `None` when uncapped.
+    fn against_cap(&mut self, tx: &Transaction<'_>) -> Result<Option<(u64, u64)>, StoreError> {
+        let Some(cap) = self.cap else { return Ok(None) };
+        let stored = match self.stored {
+            Some(n) => n,
+            None => *self.stored.insert(unaccepted_count(tx)?),
+        };
+        Ok(Some((stored.saturating_add_signed(self.delta), cap)))
+    }
+
+    /// Rows this transaction inserted (net of rows it marked accepted).
+    pub fn added(&self) -> i64 {
+        self.delta
+    }
+
+    /// Writes this transaction's change of the counter (nothing when there is none).
+    pub fn write(&mut self, tx: &Transaction<'_>) -> Result<(), StoreError> {
+        if self.delta != 0 {
+            tx.prepare_cached("UPDATE backlog SET unaccepted = unaccepted + ?1 WHERE id = 1")?
+                .execute([self.delta])?;
+            self.stored = self.stored.map(|n| n.saturating_add_signed(self.delta));
+            self.delta = 0;
+        }
+        Ok(())
+    }
+}
+
 /// SPEC §5 inside the caller's `BEGIN IMMEDIATE` transaction: reads the flow, the event id's
 /// row and (when capped) the backlog, [`decide`]s, and for a step writes the flow, reaches
-/// `producer.after_flow_update`, inserts the outbox row and reaches
+/// `producer.after_flow_update`, inserts the outbox row (counted in `unaccepted`) and reaches
 /// `producer.after_outbox_insert`. Nothing is written unless the outcome is `Committed`; the
-/// caller commits, then reaches `producer.after_commit`.
+/// caller writes `unaccepted` and commits, then reaches `producer.after_commit`. `held` keeps
+/// the batch's statements prepared ([`Held`]) and belongs to `tx`.
 pub fn advance(
     tx: &Transaction<'_>,
+    held: &mut Held<'_>,
     cmd: &AdvanceCommand,
     crash: &CrashSwitch,
     now_us: i64,
-    max_unaccepted: Option<u64>,
+    unaccepted: &mut Unaccepted,
 ) -> Result<AdvanceReply, StoreError> {
-    let flow = flow_record(tx, &cmd.flow_id)?;
-    let stored = outbox_row(tx, &cmd.event_id)?;
+    let flow = flow_record_with(held, &cmd.flow_id)?;
+    let stored = outbox_row_with(held, &cmd.event_id)?;
     // The counter is only worth reading for a call that may write.
-    let backlog = match max_unaccepted {
-        Some(cap) if stored.is_none() && flow.seq == cmd.expected_seq => Some((unaccepted_count(tx)?, cap)),
-        _ => None,
-    };
+    let backlog =
+        if stored.is_none() && flow.seq == cmd.expected_seq { unaccepted.against_cap(tx)? } else { None };
     let decision = decide(&flow, stored.as_ref(), cmd, backlog);
-    if let Decision::Write { flow, event } = &decision {
-        tx.prepare_cached(
-            "INSERT INTO flow(flow_id, seq, state, amount) VALUES (?1, ?2, ?3, ?4)
-             ON CONFLICT(flow_id) DO UPDATE SET seq = excluded.seq, state = excluded.state",
-        )?
-        .execute(params![event.flow_id, flow.seq, flow.state.as_str(), flow.amount])?;
+    if let Decision::Write { flow: after, event } = &decision {
+        // The transaction read the flow: a row exists exactly when its seq is above 0, so a
+        // new flow is an INSERT and a step of an existing one an UPDATE (an upsert would try
+        // the insert first and meet the key every time).
+        if flow.seq == 0 {
+            held.get("INSERT INTO flow(flow_id, seq, state, amount) VALUES (?1, ?2, ?3, ?4)")?
+                .execute(params![event.flow_id, after.seq, after.state.as_str(), after.amount])?;
+        } else {
+            let changed = held
+                .get("UPDATE flow SET seq = ?2, state = ?3 WHERE flow_id = ?1 AND seq = ?4")?
+                .execute(params![event.flow_id, after.seq, after.state.as_str(), flow.seq])?;
+            if changed != 1 {
+                return Err(StoreError::Corrupt(format!(
+                    "flow {} moved inside the advance transaction (read at seq {})",
+                    event.flow_id, flow.seq
+                )));
+            }
+        }
         crash.reach(CrashPoint::ProducerAfterFlowUpdate);
-        tx.prepare_cached(
+        held.get(
             "INSERT INTO outbox(event_id, flow_id, seq, kind, schema, body, committed_at_us)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
         )?
@@ -300,6 +384,7 @@ pub fn advance(
             event.body,
             now_us
         ])?;
+        unaccepted.delta += 1;
         crash.reach(CrashPoint::ProducerAfterOutboxInsert);
     }
     Ok(decision.into_reply())
@@ -307,8 +392,12 @@ pub fn advance(
 
 /// The flow's committed state; a flow with no row is `new`, seq 0.
 pub fn flow_record(conn: &Connection, flow_id: &str) -> Result<FlowRecord, StoreError> {
-    let row = conn
-        .prepare_cached("SELECT seq, state, amount FROM flow WHERE flow_id = ?1")?
+    flow_record_with(&mut Held::new(conn), flow_id)
+}
+
+fn flow_record_with(held: &mut Held<'_>, flow_id: &str) -> Result<FlowRecord, StoreError> {
+    let row = held
+        .get("SELECT seq, state, amount FROM flow WHERE flow_id = ?1")?
         .query_row([flow_id], |r| Ok((r.get::<_, u64>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?)))
         .optional()?;
     match row {
@@ -345,8 +434,12 @@ fn outbox_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<OutboxRecord> {
 
 /// The outbox row of `event_id`, accepted or not.
 pub fn outbox_row(conn: &Connection, event_id: &str) -> Result<Option<OutboxRecord>, StoreError> {
-    Ok(conn
-        .prepare_cached(concat!("SELECT ", outbox_columns!(), " FROM outbox WHERE event_id = ?1"))?
+    outbox_row_with(&mut Held::new(conn), event_id)
+}
+
+fn outbox_row_with(held: &mut Held<'_>, event_id: &str) -> Result<Option<OutboxRecord>, StoreError> {
+    Ok(held
+        .get(concat!("SELECT ", outbox_columns!(), " FROM outbox WHERE event_id = ?1"))?
         .query_row([event_id], outbox_from_row)
         .optional()?)
 }
@@ -383,31 +476,50 @@ pub fn unaccepted_after(
 
 /// Inside a relay's transaction: counts one send of `event_id` with the consumer's answer,
 /// and when the answer [holds the event](DeliveryAnswer::holds_event) sets `accepted = 1`
-/// and, when known, which consumer database holds it at which inbox position
-/// (`accepted_by`). Any other answer leaves the row unaccepted and `accepted_by` as it was.
-/// One statement: the row and its indexes are written once per answer. Returns false when
-/// no such row exists.
+/// (counted in `unaccepted`) and, when known, which consumer database holds it at which inbox
+/// position (`accepted_by`). Any other answer leaves the row unaccepted and `accepted_by` as
+/// it was (`held`: the run's statements, see [`Held`]). One statement in the common case (a row accepted by this answer); a row already
+/// accepted (a resend answered `DUPLICATE`) or refused takes the plain count. Returns false
+/// when no such row exists.
 pub fn record_delivery(
-    tx: &Transaction<'_>,
+    held: &mut Held<'_>,
     event_id: &str,
     answer: DeliveryAnswer,
     now_us: i64,
     accepted_by: Option<AcceptedBy<'_>>,
+    unaccepted: &mut Unaccepted,
 ) -> Result<bool, StoreError> {
-    let mut stmt = tx.prepare_cached(
-        "UPDATE outbox SET attempts = attempts + 1, last_outcome = ?2,
-             accepted_at_us = CASE WHEN ?3 AND accepted = 0 THEN ?4 ELSE accepted_at_us END,
-             accepted = CASE WHEN ?3 THEN 1 ELSE accepted END,
-             accepted_by = CASE WHEN ?3 AND ?5 IS NOT NULL THEN ?5 ELSE accepted_by END,
-             accepted_position = CASE WHEN ?3 AND ?5 IS NOT NULL THEN ?6 ELSE accepted_position END
-         WHERE event_id = ?1",
-    )?;
-    let holds = answer.holds_event();
-    let (by, position) = match accepted_by {
-        Some(a) if holds => (Some(a.consumer_db), Some(a.position)),
-        _ => (None, None),
-    };
-    Ok(stmt.execute(params![event_id, answer.word(), holds, now_us, by, position])? == 1)
+    let word = answer.word();
+    if answer.holds_event() {
+        let (by, position) = accepted_by.map_or((None, None), |a| (Some(a.consumer_db), Some(a.position)));
+        let newly = held
+            .get(
+                "UPDATE outbox SET attempts = attempts + 1, last_outcome = ?2, accepted = 1,
+                     accepted_at_us = ?3,
+                     accepted_by = CASE WHEN ?4 IS NOT NULL THEN ?4 ELSE accepted_by END,
+                     accepted_position = CASE WHEN ?4 IS NOT NULL THEN ?5 ELSE accepted_position END
+                 WHERE event_id = ?1 AND accepted = 0",
+            )?
+            .execute(params![event_id, word, now_us, by, position])?;
+        if newly == 1 {
+            unaccepted.delta -= 1;
+            return Ok(true);
+        }
+        // Already accepted: the answer is counted, and where it now lives is updated.
+        let changed = held
+            .get(
+                "UPDATE outbox SET attempts = attempts + 1, last_outcome = ?2,
+                     accepted_by = CASE WHEN ?3 IS NOT NULL THEN ?3 ELSE accepted_by END,
+                     accepted_position = CASE WHEN ?3 IS NOT NULL THEN ?4 ELSE accepted_position END
+                 WHERE event_id = ?1",
+            )?
+            .execute(params![event_id, word, by, position])?;
+        return Ok(changed == 1);
+    }
+    let changed = held
+        .get("UPDATE outbox SET attempts = attempts + 1, last_outcome = ?2 WHERE event_id = ?1")?
+        .execute(params![event_id, word])?;
+    Ok(changed == 1)
 }
 
 /// Inside a relay's transaction: counts one send of `event_id` that got no answer. The row
@@ -435,15 +547,29 @@ pub fn lost_rows(
     consumer_db: &str,
     highest_position: u64,
 ) -> Result<LostRows, StoreError> {
-    let other_database = conn
-        .prepare_cached("SELECT count(*) FROM outbox WHERE accepted = 1 AND accepted_by IS NOT NULL AND accepted_by <> ?1")?
-        .query_row([consumer_db], |r| r.get(0))?;
-    let (beyond_history, highest_recorded) = conn
+    // Range reads of `outbox_accepted_by` only (the other databases' ids on either side of
+    // this one, rows past the position, the last one), so a relay that checks an unchanged
+    // consumer reads a few index entries, not the accepted history.
+    let other_database: u64 = conn
         .prepare_cached(
-            "SELECT count(*) FILTER (WHERE accepted_position > ?2), coalesce(max(accepted_position), 0)
-             FROM outbox WHERE accepted = 1 AND accepted_by = ?1",
+            "SELECT (SELECT count(*) FROM outbox WHERE accepted = 1 AND accepted_by < ?1)
+                  + (SELECT count(*) FROM outbox WHERE accepted = 1 AND accepted_by > ?1)",
         )?
-        .query_row(params![consumer_db, highest_position], |r| Ok((r.get(0)?, r.get(1)?)))?;
+        .query_row([consumer_db], |r| r.get(0))?;
+    let beyond_history = conn
+        .prepare_cached(
+            "SELECT count(*) FROM outbox
+             WHERE accepted = 1 AND accepted_by = ?1 AND accepted_position > ?2",
+        )?
+        .query_row(params![consumer_db, highest_position], |r| r.get(0))?;
+    let highest_recorded = conn
+        .prepare_cached(
+            "SELECT coalesce(max(accepted_position), 0) FROM outbox WHERE accepted = 1 AND accepted_by = ?1",
+        )?
+        .query_row([consumer_db], |r| r.get(0))?;
+    if other_database + beyond_history == 0 {
+        return Ok(LostRows { other_database, beyond_history, highest_recorded, sample: Vec::new() });
+    }
     let sample = conn
         .prepare_cached(&format!(
             "SELECT event_id FROM outbox WHERE {LOST_WHERE} ORDER BY flow_id, seq LIMIT 5"
@@ -460,6 +586,7 @@ pub fn unmark_lost(
     tx: &Transaction<'_>,
     consumer_db: &str,
     highest_position: u64,
+    unaccepted: &mut Unaccepted,
 ) -> Result<u64, StoreError> {
     let changed = tx
         .prepare_cached(&format!(
@@ -468,6 +595,7 @@ pub fn unmark_lost(
              WHERE {LOST_WHERE}"
         ))?
         .execute(params![consumer_db, highest_position, LOST_BY_CONSUMER])?;
+    unaccepted.delta += changed as i64;
     Ok(changed as u64)
 }
 
@@ -522,7 +650,10 @@ mod tests {
 
     fn run(conn: &mut Connection, c: &AdvanceCommand) -> AdvanceReply {
         let tx = db::begin_immediate(conn).unwrap();
-        let reply = advance(&tx, c, &CrashSwitch::default(), 1, None).unwrap();
+        let mut unaccepted = Unaccepted::new(None);
+        let reply =
+            advance(&tx, &mut Held::new(&tx), c, &CrashSwitch::default(), 1, &mut unaccepted).unwrap();
+        unaccepted.write(&tx).unwrap();
         tx.commit().unwrap();
         reply
     }
@@ -537,6 +668,48 @@ mod tests {
 
     const FLOW_WRITE_SQL: &str = "INSERT INTO flow(flow_id, seq, state, amount) VALUES (?1, ?2, ?3, ?4)
          ON CONFLICT(flow_id) DO UPDATE SET seq = excluded.seq, state = excluded.state";
+
+    #[test]
+    fn a_version_3_file_loses_its_counter_triggers_and_keeps_its_count() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.db");
+        let v3 = DbKind::producer(3, SCHEMA, &[IDENTITY_SQL, PLAIN_CHECKS_SQL]);
+        let mut conn = db::open(&path, &v3, OpenMode::Create).unwrap();
+        // A row committed by a version 3 build: its trigger counts it.
+        let tx = db::begin_immediate(&mut conn).unwrap();
+        tx.execute_batch(
+            "INSERT INTO flow(flow_id, seq, state, amount) VALUES ('A', 1, 'reserved', 3);
+             INSERT INTO outbox(event_id, flow_id, seq, kind, schema, body, committed_at_us)
+             VALUES ('A1', 'A', 1, 'reserved', 1, '{}', 1);",
+        )
+        .unwrap();
+        tx.commit().unwrap();
+        assert_eq!(unaccepted_count(&conn).unwrap(), 1);
+        drop(conn);
+        let mut conn = open(&path, OpenMode::Create).unwrap();
+        let triggers: i64 = conn
+            .query_row("SELECT count(*) FROM sqlite_schema WHERE type = 'trigger'", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(triggers, 0);
+        assert_eq!(unaccepted_count(&conn).unwrap(), 1, "the count survives the upgrade");
+        // From now on the store keeps it: the next step adds one, an accepted answer takes one.
+        run(&mut conn, &cmd("A2", 1, "confirmed", 1, 3));
+        assert_eq!(unaccepted_count(&conn).unwrap(), 2);
+        let tx = db::begin_immediate(&mut conn).unwrap();
+        let mut unaccepted = Unaccepted::new(None);
+        let mut held = Held::new(&tx);
+        for _ in 0..2 {
+            // The second answer is a resend: the row is already accepted, nothing more counts.
+            assert!(
+                record_delivery(&mut held, "A1", DeliveryAnswer::Accepted, 2, None, &mut unaccepted).unwrap()
+            );
+        }
+        drop(held);
+        unaccepted.write(&tx).unwrap();
+        tx.commit().unwrap();
+        assert_eq!(unaccepted_count(&conn).unwrap(), 1);
+        assert_eq!(outbox_counts(&conn).unwrap(), (2, 1));
+    }
 
     #[test]
     fn a_version_2_file_is_upgraded_and_no_step_builds_a_temporary_btree() {

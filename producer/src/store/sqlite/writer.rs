@@ -1,17 +1,17 @@
 //! Group commit of `Advance` on SQLite: one writer thread owns producer.db's writes and runs every
-//! call queued at once in ONE `BEGIN IMMEDIATE` transaction, each call in its own
-//! `SAVEPOINT` (a failing call, e.g. a trigger raising, rolls back alone and gets its own
-//! error), and answers every call only after the commit that holds it.
+//! call queued at once in ONE `BEGIN IMMEDIATE` transaction (a failing call, e.g. a trigger
+//! raising, rolls back alone and gets its own error: see [`advance_batch`]), and answers
+//! every call only after the commit that holds it.
 
 use std::sync::{Arc, Mutex};
 
 use proto::crash::{CrashPoint, CrashSwitch};
-use proto::db::{self, StepFailure};
+use proto::db::{self, StepFailure, Steps};
 use rusqlite::Connection;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::request::AdvanceCommand;
-use crate::store::{ADVANCE_BATCHES, AdvanceOutcome, AdvanceReply, StoreError};
+use crate::store::{ADVANCE_BATCHES, AdvanceReply, StoreError};
 
 /// One queued `Advance` and where its answer goes.
 pub struct AdvanceJob {
@@ -51,59 +51,77 @@ fn queue_len(max_batch: usize) -> usize {
     max_batch.saturating_mul(4).clamp(64, 1 << 16)
 }
 
-/// SPEC §5 for a batch of calls in ONE `BEGIN IMMEDIATE` transaction: each call in its own
-/// savepoint, in queue order, so a later call sees an earlier one's writes exactly as it
-/// would after that call's own commit. Commits only when some call wrote (`COMMITTED`); a
-/// batch of `EXISTING`/`STALE`/… answers writes nothing and reaches no crash point. If the
-/// commit fails, every call of the batch gets the error (none of them is committed).
+/// SPEC §5 for a batch of calls in ONE `BEGIN IMMEDIATE` transaction, in queue order, so a
+/// later call sees an earlier one's writes exactly as it would after that call's own commit.
+/// The calls first run directly in the transaction; if one fails, that transaction is rolled
+/// back unanswered and the batch runs again with each call in its own savepoint, so the
+/// failing call (e.g. a trigger raising) rolls back alone and gets its own error (see
+/// [`db::Steps`]). Commits only when some call wrote (`COMMITTED`); a batch of
+/// `EXISTING`/`STALE`/… answers writes nothing and reaches no crash point. If the commit
+/// fails, every call of the batch gets the error (none of them is committed).
 pub fn advance_batch(
     conn: &mut Connection,
     cmds: &[AdvanceCommand],
     crash: &CrashSwitch,
     max_unaccepted: Option<u64>,
 ) -> Vec<Result<AdvanceReply, StoreError>> {
+    match advance_in_tx(conn, cmds, crash, max_unaccepted, Steps::Direct) {
+        Some(results) => results,
+        None => advance_in_tx(conn, cmds, crash, max_unaccepted, Steps::Savepoint)
+            // With savepoints every failure is answered; nothing asks for another run.
+            .unwrap_or_default(),
+    }
+}
+
+/// One run of [`advance_batch`]; `None` when a call failed in a `Direct` run (the
+/// transaction is rolled back, nothing is answered).
+fn advance_in_tx(
+    conn: &mut Connection,
+    cmds: &[AdvanceCommand],
+    crash: &CrashSwitch,
+    max_unaccepted: Option<u64>,
+    steps: Steps,
+) -> Option<Vec<Result<AdvanceReply, StoreError>>> {
+    let fail_all = |e: StoreError| Some(cmds.iter().map(|_| Err(e.clone())).collect());
     let tx = match db::begin_immediate(conn) {
         Ok(tx) => tx,
-        Err(e) => {
-            let e = StoreError::from(e).during("advance");
-            return cmds.iter().map(|_| Err(e.clone())).collect();
-        }
+        Err(e) => return fail_all(StoreError::from(e).during("advance")),
     };
+    let mut unaccepted = super::Unaccepted::new(max_unaccepted);
+    let mut held = db::Held::new(&tx);
     let mut results = Vec::with_capacity(cmds.len());
-    let mut committed_any = false;
     for (i, cmd) in cmds.iter().enumerate() {
-        match db::in_savepoint(&tx, |tx| super::advance(tx, cmd, crash, runtime::now_us(), max_unaccepted)) {
-            Ok(reply) => {
-                committed_any |= reply.outcome == AdvanceOutcome::Committed;
-                results.push(Ok(reply));
-            }
+        let step = db::in_step(&tx, steps, |tx| {
+            super::advance(tx, &mut held, cmd, crash, runtime::now_us(), &mut unaccepted)
+        });
+        match step {
+            Ok(reply) => results.push(Ok(reply)),
+            Err(_) if steps == Steps::Direct => return None,
             Err(StepFailure::RolledBack(e)) => results.push(Err(e.during("advance"))),
             Err(StepFailure::TransactionLost(e)) => {
                 // Nothing of this transaction can commit: every call fails, none is half done.
                 tracing::warn!(error = %e, lost = i, "advance batch rolled back whole");
-                let e = e.during("advance");
-                results.clear();
-                results.resize_with(cmds.len(), || Err(e.clone()));
-                return results;
+                return fail_all(e.during("advance"));
             }
         }
     }
-    if !committed_any {
+    drop(held);
+    if unaccepted.added() == 0 {
         // Nothing was written; dropping the transaction releases the lock.
-        return results;
+        return Some(results);
     }
-    if let Err(e) = tx.commit() {
-        let e = StoreError::from(e).during("advance commit");
-        return cmds.iter().map(|_| Err(e.clone())).collect();
+    if let Err(e) = unaccepted.write(&tx).and_then(|()| tx.commit().map_err(StoreError::from)) {
+        return fail_all(e.during("advance commit"));
     }
     crash.reach(CrashPoint::ProducerAfterCommit);
-    results
+    Some(results)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::request::validate;
+    use crate::store::AdvanceOutcome;
     use crate::store::sqlite as store;
     use proto::db::OpenMode;
     use proto::pb;
