@@ -710,21 +710,17 @@ async fn apply_fast(
     let per_flow = big((max_steps as u64).min(max_batch as u64) + 1);
     let read = tx.prepare_cached(READ_GROUP_SQL).await?;
     let params: [&(dyn ToSql + Sync); 2] = [&flows, &per_flow];
-    let statements: Vec<PipedFuture<'_, Vec<Row>>> = vec![
-        Box::pin(async { tx.batch_execute("SAVEPOINT group_fast").await.map(|()| Vec::new()) }),
-        Box::pin(tx.query(&read, &params)),
-    ];
-    let mut answers = in_order(statements).await.into_iter();
-    answers.next().unwrap_or(Ok(Vec::new()))?;
-    let rows = match answers.next().unwrap_or(Ok(Vec::new())) {
+    let rows = match APPLY_FAST.begin(tx, &read, &params).await? {
         Ok(rows) => rows,
-        Err(e) => return undo_group(tx, classify(&e)).await,
+        Err(e) => return APPLY_FAST.undo(tx, e).await,
     };
     let Some(plans) = plan_group(&rows, &runs[first..first + count], max_steps, max_batch, opts) else {
-        return undo_group(tx, StoreError::Busy("a stored row needs the step-by-step path".into())).await;
+        return APPLY_FAST
+            .undo(tx, StoreError::Busy("a stored row needs the step-by-step path".into()))
+            .await;
     };
     if let Err(e) = write_group(tx, &plans, &runs[first..], runtime::now_us()).await {
-        return undo_group(tx, e).await;
+        return APPLY_FAST.undo(tx, e).await;
     }
     let mut after = first;
     for plan in plans {
@@ -754,15 +750,63 @@ async fn apply_fast(
     Ok(Some(after))
 }
 
-/// Rolls the group's savepoint back after `e`: `Ok(None)` (go step by step), or the
-/// transaction is lost when the server is gone or the rollback fails.
-async fn undo_group<T>(tx: &Transaction<'_>, e: StoreError) -> std::result::Result<Option<T>, StoreError> {
-    if matches!(e, StoreError::Unavailable(_)) {
-        return Err(e);
+/// A fast path's savepoint: opened in the same round trip as the path's first statement,
+/// and rolled back when the path gives way to the step-by-step one.
+#[derive(Clone, Copy)]
+struct FastPath {
+    open: &'static str,
+    undo: &'static str,
+    /// Logged (debug) when the path is undone.
+    undone: &'static str,
+}
+
+/// The Receive batch's multi-row insert.
+const RECEIVE_FAST: FastPath = FastPath {
+    open: "SAVEPOINT batch",
+    undo: "ROLLBACK TO SAVEPOINT batch; RELEASE SAVEPOINT batch",
+    undone: "receive: the batch insert is undone; deciding envelope by envelope",
+};
+
+/// The apply group's read and writes.
+const APPLY_FAST: FastPath = FastPath {
+    open: "SAVEPOINT group_fast",
+    undo: "ROLLBACK TO SAVEPOINT group_fast; RELEASE SAVEPOINT group_fast",
+    undone: "apply: the group's fast path is undone; going step by step",
+};
+
+impl FastPath {
+    /// The savepoint and `statement`, in one round trip. The outer `Err` loses the
+    /// transaction (no savepoint); the inner one is the statement's failure (then
+    /// [`FastPath::undo`]).
+    async fn begin(
+        self,
+        tx: &Transaction<'_>,
+        statement: &tokio_postgres::Statement,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> std::result::Result<Result<Vec<Row>>, StoreError> {
+        let statements: Vec<PipedFuture<'_, Vec<Row>>> = vec![
+            Box::pin(async move { tx.batch_execute(self.open).await.map(|()| Vec::new()) }),
+            Box::pin(tx.query(statement, params)),
+        ];
+        let mut answers = in_order(statements).await.into_iter();
+        answers.next().unwrap_or(Ok(Vec::new()))?;
+        Ok(answers.next().unwrap_or(Ok(Vec::new())).map_err(|e| classify(&e)))
     }
-    tracing::debug!(error = %e, "apply: the group's fast path is undone; going step by step");
-    tx.batch_execute("ROLLBACK TO SAVEPOINT group_fast; RELEASE SAVEPOINT group_fast").await?;
-    Ok(None)
+
+    /// Rolls the savepoint back after `e`: `Ok(None)` (the step-by-step path takes over), or
+    /// the transaction is lost when the server is gone or the rollback fails.
+    async fn undo<T>(
+        self,
+        tx: &Transaction<'_>,
+        e: StoreError,
+    ) -> std::result::Result<Option<T>, StoreError> {
+        if matches!(e, StoreError::Unavailable(_)) {
+            return Err(e);
+        }
+        tracing::debug!(error = %e, "{}", self.undone);
+        tx.batch_execute(self.undo).await?;
+        Ok(None)
+    }
 }
 
 /// The decisions of [`apply_fast`], from the rows of [`READ_GROUP_SQL`]. `None` when a row
@@ -1415,15 +1459,9 @@ async fn insert_all(
     let kinds: Vec<&str> = events.iter().map(|e| e.kind.as_str()).collect();
     let schemas: Vec<i32> = events.iter().map(|e| schema_column(e.schema)).collect();
     let params: [&(dyn ToSql + Sync); 7] = [&ids, &flows, &seqs, &kinds, &schemas, &bodies, &now_us];
-    let statements: Vec<PipedFuture<'_, Vec<Row>>> = vec![
-        Box::pin(async { tx.batch_execute("SAVEPOINT batch").await.map(|()| Vec::new()) }),
-        Box::pin(tx.query(&statement, &params)),
-    ];
-    let mut answers = in_order(statements).await.into_iter();
-    answers.next().unwrap_or(Ok(Vec::new()))?;
-    let rows = match answers.next().unwrap_or(Ok(Vec::new())) {
+    let rows = match RECEIVE_FAST.begin(tx, &statement, &params).await? {
         Ok(rows) => rows,
-        Err(e) => return undo_batch(tx, classify(&e)).await,
+        Err(e) => return RECEIVE_FAST.undo(tx, e).await,
     };
     // Event ids are unique among inserted rows: where each envelope's row went.
     let mut stored: std::collections::HashMap<String, (usize, u64)> = std::collections::HashMap::new();
@@ -1434,7 +1472,9 @@ async fn insert_all(
         let position = unsigned(row.get(1));
         // The first envelope with this id is the one that was inserted (a later one with
         // the same id met it and was skipped).
-        let Some(&k) = by_id.get(id.as_str()) else { return undo_batch(tx, inconsistent_insert()).await };
+        let Some(&k) = by_id.get(id.as_str()) else {
+            return RECEIVE_FAST.undo(tx, inconsistent_insert()).await;
+        };
         stored.insert(id, (k, position));
     }
     let mut decided: Vec<Option<Received>> = (0..events.len())
@@ -1455,10 +1495,10 @@ async fn insert_all(
     let s_seqs: Vec<i64> = skipped.iter().map(|&k| seqs[k]).collect();
     let read = match tx.query(&holders, &[&s_ids, &s_flows, &s_seqs]).await {
         Ok(rows) => rows,
-        Err(e) => return undo_batch(tx, classify(&e)).await,
+        Err(e) => return RECEIVE_FAST.undo(tx, classify(&e)).await,
     };
     if read.len() != skipped.len() {
-        return undo_batch(tx, inconsistent_insert()).await;
+        return RECEIVE_FAST.undo(tx, inconsistent_insert()).await;
     }
     // A row this batch inserted for envelope `at` existed at envelope k's turn only if at < k.
     let existed_at = |id: &str, k: usize| stored.get(id).is_none_or(|&(at, _)| at < k);
@@ -1480,7 +1520,7 @@ async fn insert_all(
                 }
                 // Neither was taken at its turn, yet it was not inserted: let the
                 // envelope-by-envelope path say what it is.
-                _ => return undo_batch(tx, inconsistent_insert()).await,
+                _ => return RECEIVE_FAST.undo(tx, inconsistent_insert()).await,
             },
         };
         decided[k] = Some(answer);
@@ -1490,17 +1530,6 @@ async fn insert_all(
 
 fn inconsistent_insert() -> StoreError {
     StoreError::Inconsistent("a batch insert skipped an envelope nothing explains".into())
-}
-
-/// Rolls the batch's savepoint back after `e`: `Ok(None)` (decide envelope by envelope), or
-/// the transaction is lost when the server is gone or the rollback fails.
-async fn undo_batch<T>(tx: &Transaction<'_>, e: StoreError) -> std::result::Result<Option<T>, StoreError> {
-    if matches!(e, StoreError::Unavailable(_)) {
-        return Err(e);
-    }
-    tracing::debug!(error = %e, "receive: the batch insert is undone; deciding envelope by envelope");
-    tx.batch_execute("ROLLBACK TO SAVEPOINT batch; RELEASE SAVEPOINT batch").await?;
-    Ok(None)
 }
 
 /// What the stored rows (read right after an insert that stored nothing) say about `event`.
