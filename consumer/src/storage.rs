@@ -66,7 +66,7 @@ impl StorageWatch {
             tracing::warn!(
                 env = FAULT_ENV,
                 while_exists = %fault.display(),
-                "FAULT INJECTION ARMED: consumer.db commits fail while this file exists"
+                "FAULT INJECTION ARMED: consumer database commits fail while this file exists"
             );
         }
         let opened = match target {
@@ -133,7 +133,7 @@ impl StorageWatch {
             tracing::error!(
                 db = %self.shown,
                 error = %cause,
-                "consumer.db cannot commit: health NOT_SERVING, nothing is accepted or applied until it can \
+                "consumer database cannot commit: health NOT_SERVING, nothing is accepted or applied until it can \
                  (retried with backoff)"
             );
             *failing = Some(cause);
@@ -148,7 +148,7 @@ impl StorageWatch {
     pub fn commit_succeeded(&self) {
         let mut failing = runtime::blocking::lock(&self.failing);
         if let Some(cause) = failing.take() {
-            tracing::info!(db = %self.shown, after = %cause, "consumer.db commits again: health SERVING");
+            tracing::info!(db = %self.shown, after = %cause, "consumer database commits again: health SERVING");
             self.serving.send_replace(true);
         }
     }

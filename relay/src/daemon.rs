@@ -69,7 +69,7 @@ pub async fn run(
             };
             match opened {
                 Ok(s) => session = Some(s),
-                Err(e) if e.is_link_failure() => {
+                Err(e) if e.is_retried_by_run() => {
                     link_down(&mut link, &e, settings.max_backoff);
                     pause(reconnect.next_wait(), stop).await;
                 }
@@ -110,7 +110,7 @@ pub async fn run(
                     pause(settings.poll_interval, stop).await;
                 }
             }
-            Err(e) if e.is_link_failure() => {
+            Err(e) if e.is_retried_by_run() => {
                 link_down(&mut link, &e, settings.max_backoff);
                 session = None;
                 pause(reconnect.next_wait(), stop).await;
@@ -143,19 +143,22 @@ impl Progress {
     }
 }
 
-/// Logs a link failure once per change of kind; the retries after it log at debug only.
+/// Logs a link failure (or a producer database that went away) once per change of kind; the
+/// retries after it log at debug only.
 fn link_down(link: &mut LinkState, e: &RelayError, max_backoff: Duration) {
     let kind = match e {
-        RelayError::Unreachable { .. } => "unreachable",
-        RelayError::Unresponsive(_) => "stopped answering",
-        _ => "stream failed",
+        RelayError::Unreachable { .. } => "consumer unreachable",
+        RelayError::Unresponsive(_) => "consumer stopped answering",
+        RelayError::Store(_) => "producer database unavailable",
+        _ => "consumer stream failed",
     };
     if *link == LinkState::Down(kind) {
-        tracing::debug!(error = %e, "consumer still failing; retrying with backoff");
+        let subject = if matches!(e, RelayError::Store(_)) { "producer database" } else { "consumer" };
+        tracing::debug!(error = %e, "{subject} still failing; retrying with backoff");
     } else {
         tracing::warn!(
             error = %e, ?max_backoff,
-            "consumer {kind}: stream dropped, unanswered rows stay unaccepted and will be resent; retrying with backoff"
+            "{kind}: stream dropped, unanswered rows stay unaccepted and will be resent; retrying with backoff"
         );
         *link = LinkState::Down(kind);
     }

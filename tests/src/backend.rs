@@ -161,3 +161,25 @@ macro_rules! sqlite_only {
         }
     };
 }
+
+/// Returns from the calling test, after one line saying why, when the suite runs on SQLite:
+/// for the few tests about the PostgreSQL server itself (connections terminated, a database
+/// refusing connections, a schema dropped under a running service). They run in the suite's
+/// PostgreSQL pass.
+#[macro_export]
+macro_rules! postgres_only {
+    ($why:expr) => {
+        if $crate::backend::Backend::current() != $crate::backend::Backend::Postgres {
+            let _ = ::std::io::Write::write_all(
+                &mut ::std::io::stderr(),
+                format!(
+                    "SKIPPED on {} (PostgreSQL only; runs in the PostgreSQL pass): {}\n",
+                    $crate::backend::Backend::current(),
+                    $why
+                )
+                .as_bytes(),
+            );
+            return;
+        }
+    };
+}

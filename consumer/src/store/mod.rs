@@ -45,7 +45,7 @@ pub enum StoreError {
     #[error("{0}")]
     Failed(String),
     /// The database holds something this store never writes (edited by hand, or a bug).
-    #[error("consumer.db is inconsistent: {0}")]
+    #[error("the consumer database is inconsistent: {0}")]
     Inconsistent(String),
     /// The file at the database's path is no longer the one this process has open.
     #[error("{0}")]
@@ -341,7 +341,7 @@ impl ConsumerStore {
                 let path = path.clone();
                 let store = tokio::task::spawn_blocking(move || sqlite::SqliteStore::open(&path))
                     .await
-                    .map_err(|e| OpenError::Identity(format!("opening consumer.db: {e}")))??;
+                    .map_err(|e| OpenError::Identity(format!("opening the consumer database: {e}")))??;
                 ConsumerStore::Sqlite(store)
             }
             DbTarget::Postgres(url) => ConsumerStore::Postgres(pg::PgStore::open(url).await?),
@@ -397,6 +397,21 @@ impl ConsumerStore {
         match self {
             ConsumerStore::Sqlite(s) => s.flows_with_unapplied(after, limit).await,
             ConsumerStore::Postgres(p) => p.flows_with_unapplied(&after, limit).await,
+        }
+    }
+
+    /// Up to `limit` flows after `after` (in flow_id order) with a row blocked for `reason`
+    /// (read from the partial index of unapplied rows: the cost grows with the backlog, never
+    /// with the history).
+    pub async fn flows_blocked(
+        &self,
+        reason: BlockReason,
+        after: String,
+        limit: usize,
+    ) -> Result<Vec<String>> {
+        match self {
+            ConsumerStore::Sqlite(s) => s.flows_blocked(reason, after, limit).await,
+            ConsumerStore::Postgres(p) => p.flows_blocked(reason, &after, limit).await,
         }
     }
 

@@ -228,7 +228,7 @@ async fn a_consumer_whose_storage_fills_up_reports_it_and_recovers_without_losin
     wait_health(&consumer, ServingStatus::NotServing).await;
     during.await.expect("advances during the fault");
     let log = consumer.process.log_text();
-    let failing = log.matches("consumer.db cannot commit").count();
+    let failing = log.matches("consumer database cannot commit").count();
     assert!(failing >= 1, "{log}");
     if let Fault::Hook { .. } = fault {
         // One cause, one line, however often the relay retried.
@@ -239,7 +239,7 @@ async fn a_consumer_whose_storage_fills_up_reports_it_and_recovers_without_losin
     wait_health(&consumer, ServingStatus::Serving).await;
     wait_every_event_applied_once(&producer.db, &consumer_db, &daemon, &consumer);
     let log = consumer.process.log_text();
-    assert!(log.contains("consumer.db commits again: health SERVING"), "{log}");
+    assert!(log.contains("consumer database commits again: health SERVING"), "{log}");
     assert_eq!(db::effects(&consumer_db).len(), 150);
 }
 
@@ -341,5 +341,191 @@ async fn a_consumer_database_restored_from_an_older_copy_gets_the_lost_rows_agai
     assert_eq!(db::effects(&consumer_db).len(), 60);
     let relay_log = daemon.log_text();
     assert!(relay_log.contains("CONSUMER DATABASE RESTORED FROM AN OLDER COPY"), "{relay_log}");
+    assert!(relay_log.contains("rows=30"), "{relay_log}");
+}
+
+/// The server's maintenance database beside a test database, and the test database's name:
+/// statements about a database (refusing connections, ending sessions) run from there.
+fn pg_admin(target: &Target) -> (Target, String) {
+    let Target::Postgres(url) = target else { panic!("{target} is not a PostgreSQL database") };
+    let path = url.split('?').next().unwrap_or(url);
+    let name = path.rsplit('/').next().unwrap_or_default().to_owned();
+    (Target::Postgres(proto::pg::testing::with_database(url, "postgres")), name)
+}
+
+/// Ends every session on the database `name` (run from the maintenance database).
+fn terminate_sessions(admin: &Target, name: &str) {
+    db::execute(
+        admin,
+        &format!(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE datname = '{name}' AND pid <> pg_backend_pid()"
+        ),
+    );
+}
+
+/// The consumer's PostgreSQL database goes away under load (every session ended, new ones
+/// refused, as when the server restarts or a failover is under way) and comes back: the
+/// consumer says so once per cause, reports NOT_SERVING, returns to SERVING by itself, and
+/// auto-apply applies everything the outage left; every event once, no Apply call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_whose_postgres_database_goes_away_reports_it_and_recovers_without_losing_an_event() {
+    harness::postgres_only!("ends the consumer's PostgreSQL sessions and refuses new ones");
+    let Some(mut work) = Workdir::for_test() else { return };
+    let producer = Producer::start(&work, &[]);
+    // A database of its own, so only the consumer loses its server.
+    let consumer_db = work.other_db("consumer");
+    let (admin, name) = pg_admin(&consumer_db);
+    let consumer = start_consumer(&consumer_db, "127.0.0.1:0", work.path("consumer.log"), &[]);
+    let daemon = relay(&work, &producer, &consumer.process.url());
+    commit_flows(&producer, "before", 10).await;
+    wait_every_event_applied_once(&producer.db, &consumer_db, &daemon, &consumer);
+    wait_health(&consumer, ServingStatus::Serving).await;
+
+    db::execute(&admin, &format!("ALTER DATABASE {name} WITH ALLOW_CONNECTIONS false"));
+    terminate_sessions(&admin, &name);
+    commit_flows(&producer, "during", 40).await;
+    wait_health(&consumer, ServingStatus::NotServing).await;
+    let log = consumer.process.log_text();
+    assert!(log.contains("consumer database cannot commit"), "{log}");
+    assert!(log.contains("not currently accepting connections"), "{log}");
+
+    db::execute(&admin, &format!("ALTER DATABASE {name} WITH ALLOW_CONNECTIONS true"));
+    wait_health(&consumer, ServingStatus::Serving).await;
+    wait_every_event_applied_once(&producer.db, &consumer_db, &daemon, &consumer);
+    let log = consumer.process.log_text();
+    assert!(log.contains("consumer database commits again: health SERVING"), "{log}");
+    assert_eq!(db::effects(&consumer_db).len(), 150);
+}
+
+/// The producer's PostgreSQL sessions are ended again and again while clients advance flows
+/// (a server restart or a connection-killing proxy): each Advance is answered COMMITTED, or
+/// UNAVAILABLE and then retried to COMMITTED/EXISTING; the relay reconnects on its own, and
+/// every committed event ends applied once: nothing a client was told is committed is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn producer_and_relay_sessions_killed_under_load_lose_nothing() {
+    harness::postgres_only!("ends the producer's and relay's PostgreSQL sessions under load");
+    let Some(mut work) = Workdir::for_test() else { return };
+    let producer = Producer::start(&work, &[]);
+    let (admin, name) = pg_admin(&producer.db);
+    let consumer_db = work.other_db("consumer");
+    let consumer = start_consumer(&consumer_db, "127.0.0.1:0", work.path("consumer.log"), &[]);
+    let daemon = relay(&work, &producer, &consumer.process.url());
+
+    let clients: Vec<_> = (0..4)
+        .map(|c| {
+            let url = producer.process.url();
+            tokio::spawn(async move {
+                let mut client =
+                    proto::pb::producer_client::ProducerClient::new(harness::proc::connect(&url).await);
+                let mut unavailable = 0u32;
+                for i in 0..25 {
+                    let flow = format!("c{c}f{i}");
+                    for (seq, kind) in ["reserved", "confirmed", "released"].iter().enumerate() {
+                        let req =
+                            harness::advance(&flow, &format!("{flow}-{}", seq + 1), seq as u64, kind, 1);
+                        let deadline = Instant::now() + DEADLINE;
+                        loop {
+                            match client.advance(req.clone()).await {
+                                Ok(answer) => {
+                                    let outcome = AdvanceOutcome::try_from(answer.into_inner().outcome);
+                                    assert!(
+                                        matches!(
+                                            outcome,
+                                            Ok(AdvanceOutcome::Committed | AdvanceOutcome::Existing)
+                                        ),
+                                        "{flow} seq {seq}: {outcome:?}"
+                                    );
+                                    break;
+                                }
+                                Err(status) if status.code() == tonic::Code::Unavailable => {
+                                    assert!(
+                                        Instant::now() < deadline,
+                                        "{flow}: unavailable for a minute: {status}"
+                                    );
+                                    unavailable += 1;
+                                }
+                                Err(status) => panic!("{flow} seq {seq}: {status}"),
+                            }
+                        }
+                    }
+                }
+                unavailable
+            })
+        })
+        .collect();
+    // End the producer's and the relay's sessions until the clients are done (each round
+    // waits for the clients to have moved on: a predicate, not a sleep).
+    let mut rounds = 0;
+    while clients.iter().any(|c| !c.is_finished()) {
+        let before = db::outbox(&producer.db).len();
+        terminate_sessions(&admin, &name);
+        rounds += 1;
+        let moved = harness::background::poll(DEADLINE, || {
+            (db::outbox(&producer.db).len() > before + 10 || clients.iter().all(|c| c.is_finished()))
+                .then_some(())
+        });
+        assert!(
+            moved.is_some(),
+            "no progress after ending the sessions; log:\n{}",
+            producer.process.log_text()
+        );
+    }
+    let mut unavailable = 0;
+    for c in clients {
+        unavailable += c.await.expect("client");
+    }
+    eprintln!(
+        "{rounds} rounds of ended sessions; {unavailable} Advance calls answered UNAVAILABLE and retried"
+    );
+    assert!(rounds >= 2, "the sessions were ended only {rounds} times");
+    assert_eq!(db::outbox(&producer.db).len(), 300);
+    wait_every_event_applied_once(&producer.db, &consumer_db, &daemon, &consumer);
+    assert_eq!(db::effects(&consumer_db).len(), 300);
+}
+
+/// The consumer's schema dropped under the running consumer (an operator's mistake): it stops
+/// accepting and says why, and does not recreate the schema under itself; restarted, it
+/// creates a fresh one, and the relay, seeing another database, sends everything again: in the
+/// end the new schema holds every committed event applied once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_schema_dropped_under_the_consumer_is_refilled_by_the_relay() {
+    harness::postgres_only!("drops the consumer's schema under the running consumer");
+    let Some(work) = Workdir::for_test() else { return };
+    let producer = Producer::start(&work, &[]);
+    let consumer_db = work.consumer_db();
+    let mut consumer = start_consumer(&consumer_db, "127.0.0.1:0", work.path("consumer.log"), &[]);
+    let addr = consumer.process.addr.clone();
+    let daemon = relay(&work, &producer, &consumer.process.url());
+    commit_flows(&producer, "old", 10).await;
+    wait_every_event_applied_once(&producer.db, &consumer_db, &daemon, &consumer);
+
+    let schema = db::Store::Consumer.pg_schema();
+    db::execute(&consumer_db, &format!("DROP SCHEMA {schema} CASCADE"));
+    commit_flows(&producer, "new", 5).await;
+    wait_health(&consumer, ServingStatus::NotServing).await;
+    let log = consumer.process.log_text();
+    assert!(log.contains("consumer database cannot commit"), "{log}");
+    assert!(log.contains("does not exist"), "{log}");
+    let schema_back = || {
+        let Ok(db::Session::Postgres(session)) = db::try_open_ro(&consumer_db) else {
+            panic!("open {consumer_db}")
+        };
+        let sql = format!("SELECT count(*) FROM information_schema.schemata WHERE schema_name = '{schema}'");
+        session
+            .run(move |client| {
+                client.query_one(&sql, &[]).map(|r| r.get::<_, i64>(0)).map_err(|e| e.to_string())
+            })
+            .expect("session")
+            .expect("query")
+    };
+    assert_eq!(schema_back(), 0, "nothing may recreate the schema under the running consumer");
+    consumer.process.kill();
+
+    let consumer = start_consumer(&consumer_db, &addr, work.path("consumer-2.log"), &[]);
+    wait_every_event_applied_once(&producer.db, &consumer_db, &daemon, &consumer);
+    assert_eq!(db::effects(&consumer_db).len(), 45);
+    let relay_log = daemon.log_text();
+    assert!(relay_log.contains("CONSUMER DATABASE REPLACED"), "{relay_log}");
     assert!(relay_log.contains("rows=30"), "{relay_log}");
 }
