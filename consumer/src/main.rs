@@ -63,6 +63,8 @@ struct Args {
     apply_batch: usize,
     /// Apply automatically: after each committed Receive batch, apply the flows it touched
     /// (and, at start-up, every flow with unapplied rows), so no one needs to call Apply.
+    /// With --support-v2 it also applies, every 2 s, flows stopped on a row blocked as
+    /// unsupported_schema (left by a v1-only instance on the same database, say).
     /// Off by default: events then stay accepted until Apply or ApplyAll is called.
     /// The environment twin takes true/false, 1/0, yes/no, on/off.
     #[arg(

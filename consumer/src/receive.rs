@@ -84,6 +84,10 @@ pub fn spawn(store: ConsumerStore, opts: WriterOptions) -> mpsc::Sender<ReceiveJ
         let store = store.clone();
         tokio::spawn(async move { sweep(&store, opts.apply).await });
     }
+    if opts.auto_apply && opts.apply.support_v2 {
+        let store = store.clone();
+        tokio::spawn(async move { unblock_loop(&store, opts.apply).await });
+    }
     tokio::spawn(async move {
         while let Some(first) = rx.recv().await {
             let mut jobs = Vec::with_capacity(max_batch.min(1024));
@@ -154,6 +158,57 @@ async fn sweep(store: &ConsumerStore, opts: ApplyOptions) {
             tracing::info!(flows = results.len(), applied, "auto-apply: applied what earlier runs left");
         }
         Err(e) => tracing::warn!(error = %e, "auto-apply: cannot list flows with unapplied rows"),
+    }
+}
+
+/// How often a `--support-v2 --auto-apply` consumer looks for flows blocked on a schema
+/// it can read.
+const UNBLOCK_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Flows per read of the blocked ones.
+const UNBLOCK_PAGE: usize = 1000;
+
+/// In auto-apply mode with the v2 decoder: applies, every [`UNBLOCK_EVERY`], the flows whose
+/// rows another instance (one without `--support-v2`, on the same database, during a rolling
+/// upgrade) or an earlier run of this one left blocked as `unsupported_schema`. Auto-apply
+/// otherwise applies only the flows a Receive batch touched, so without this such a flow would
+/// wait for its next event or an operator's `Apply`. Reads the partial index of unapplied rows
+/// only; a failure is logged and retried next time.
+async fn unblock_loop(store: &ConsumerStore, opts: ApplyOptions) {
+    let mut every = tokio::time::interval(UNBLOCK_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        let mut after = String::new();
+        loop {
+            let flows = match store
+                .flows_blocked(crate::rules::BlockReason::UnsupportedSchema, after.clone(), UNBLOCK_PAGE)
+                .await
+            {
+                Ok(flows) => flows,
+                Err(e) => {
+                    tracing::warn!(error = %e, "auto-apply: cannot list flows blocked on an unsupported schema");
+                    break;
+                }
+            };
+            let Some(last) = flows.last().cloned() else { break };
+            let full = flows.len() == UNBLOCK_PAGE;
+            let results = store.apply_flows(flows, DEFAULT_MAX_STEPS, opts).await;
+            log_failures(&results);
+            let applied: usize =
+                results.iter().filter_map(|r| r.outcome.as_ref().ok()).map(|r| r.applied.len()).sum();
+            if applied > 0 {
+                tracing::info!(
+                    flows = results.len(),
+                    applied,
+                    "auto-apply: applied flows left blocked on a schema this consumer reads (--support-v2)"
+                );
+            }
+            if !full {
+                break;
+            }
+            after = last;
+        }
     }
 }
 

@@ -535,6 +535,24 @@ impl PgStore {
         Ok(rows.iter().map(|r| r.get(0)).collect())
     }
 
+    pub(crate) async fn flows_blocked(
+        &self,
+        reason: BlockReason,
+        after: &str,
+        limit: usize,
+    ) -> Result<Vec<String>> {
+        let client = self.pool.get().await?;
+        let stmt = client
+            .prepare_cached(
+                "SELECT DISTINCT flow_id FROM inbox
+                 WHERE state <> 'applied' AND state = 'blocked' AND reason = $1 AND flow_id > $2
+                 ORDER BY flow_id LIMIT $3",
+            )
+            .await?;
+        let rows = client.query(&stmt, &[&reason.as_str(), &after, &big(limit as u64)]).await?;
+        Ok(rows.iter().map(|r| r.get(0)).collect())
+    }
+
     pub(crate) async fn flow(&self, flow_id: &str) -> Result<FlowView> {
         let mut client = self.pool.get().await?;
         // One REPEATABLE READ transaction: projection, inbox and effects are one snapshot.

@@ -230,6 +230,20 @@ impl SqliteStore {
         self.with_conn(move |conn| flows_with_unapplied(conn, &after, limit)).await
     }
 
+    pub(crate) async fn flows_blocked(
+        &self,
+        reason: BlockReason,
+        after: String,
+        limit: usize,
+    ) -> Result<Vec<String>> {
+        self.with_conn(move |conn| {
+            let mut stmt = conn.prepare_cached(BLOCKED_FLOWS_SQL)?;
+            let rows = stmt.query_map(params![reason.as_str(), after, limit as i64], |r| r.get(0))?;
+            Ok(rows.collect::<rusqlite::Result<Vec<_>>>()?)
+        })
+        .await
+    }
+
     pub(crate) async fn flow(&self, flow_id: String) -> Result<FlowView> {
         self.with_conn(move |conn| {
             // One read transaction so projection, inbox and effects are one snapshot.
@@ -990,6 +1004,12 @@ pub fn flows_with_unapplied(conn: &Connection, after: &str, limit: usize) -> Res
     let rows = stmt.query_map(params![after, limit as i64], |r| r.get(0))?;
     Ok(rows.collect::<rusqlite::Result<Vec<_>>>()?)
 }
+
+/// Flows with a row blocked for one reason, in flow order (`state <> 'applied'` spelled as in
+/// the partial index `inbox_unapplied`, so SQLite reads that index, not the history).
+const BLOCKED_FLOWS_SQL: &str = "SELECT DISTINCT flow_id FROM inbox
+     WHERE state <> 'applied' AND state = 'blocked' AND reason = ?1 AND flow_id > ?2
+     ORDER BY flow_id LIMIT ?3";
 
 /// Per flow with unapplied rows: how many, and the lowest unapplied seq (answered from the
 /// partial index `inbox_unapplied` alone, already in flow order).

@@ -4,17 +4,38 @@
 //! cannot read it, the consumer restarted with `--support-v2` applying the very same stored
 //! events, and the three ledgers at the end. It stops every process it started.
 //!
+//! `demo --backend postgres` tells the same story on a fresh PostgreSQL database (on the
+//! server `ORDERED_EVENTS_TEST_PG_URL` names, default the local one; dropped at the end), and
+//! its third act is the upgrade with no downtime: a v1-only consumer and a `--support-v2`
+//! consumer serve one database side by side, the old one reports the schema-2 steps BLOCKED
+//! and the new one applies them, in order, once; then the old one is stopped.
+//!
 //! Run from the repository root: `cargo build --release --bins && target/release/demo`.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use harness::{Consumer, Producer, RelayRun, Target, advance, db, relay};
+use harness::{Backend, Consumer, Producer, RelayRun, Target, advance, db, relay};
 use proto::pb;
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    match run().await {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let backend = match args.iter().map(String::as_str).collect::<Vec<_>>().as_slice() {
+        [] => Backend::Sqlite,
+        ["--backend", name] => match name.parse() {
+            Ok(backend) => backend,
+            Err(e) => {
+                eprintln!("demo: --backend: {e}");
+                return ExitCode::from(2);
+            }
+        },
+        _ => {
+            eprintln!("usage: demo [--backend sqlite|postgres]");
+            return ExitCode::from(2);
+        }
+    };
+    match run(backend).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("demo: error: {e:#}");
@@ -76,19 +97,31 @@ fn fresh_dir() -> anyhow::Result<PathBuf> {
     Ok(dir.canonicalize()?)
 }
 
-async fn run() -> anyhow::Result<()> {
+async fn run(backend: Backend) -> anyhow::Result<()> {
     let dir = fresh_dir()?;
-    // The demo shows the embedded default: two SQLite files it leaves behind to look at.
-    let producer_db: Target = dir.join("producer.db").into();
-    let consumer_db: Target = dir.join("consumer.db").into();
+    // By default the demo shows the embedded default: two SQLite files it leaves behind to
+    // look at. On PostgreSQL both stores live in one fresh database (their own schemas).
+    let pg = match backend {
+        Backend::Sqlite => None,
+        Backend::Postgres => Some(
+            proto::pg::testing::TestDb::create("demo")
+                .ok_or_else(|| anyhow::anyhow!("no PostgreSQL server answers (see the line above)"))?,
+        ),
+    };
+    let (producer_db, consumer_db): (Target, Target) = match &pg {
+        None => (dir.join("producer.db").into(), dir.join("consumer.db").into()),
+        Some(db) => (Target::Postgres(db.url().to_owned()), Target::Postgres(db.url().to_owned())),
+    };
     say("ordered-events demo: every flow's steps applied exactly once and in order.\n");
     let producer = Producer::start_on(producer_db.clone(), dir.join("producer.log"), &[]);
     let mut consumer = Consumer::start_on(consumer_db.clone(), dir.join("consumer.log"), false, &[]);
+    let place = match &pg {
+        None => format!("fresh files in {}", dir.display()),
+        Some(db) => format!("fresh PostgreSQL database {} (logs in {})", db.name(), dir.display()),
+    };
     say(&format!(
-        "Started producer on {} and consumer on {} (v2 decoder off), fresh files in {}.",
-        producer.process.addr,
-        consumer.process.addr,
-        dir.display()
+        "Started producer on {} and consumer on {} (v2 decoder off), {place}.",
+        producer.process.addr, consumer.process.addr,
     ));
 
     say("\n1. Out-of-order arrival");
@@ -138,14 +171,21 @@ async fn run() -> anyhow::Result<()> {
         ));
     }
 
-    say("\n3. Restart the consumer with the v2 decoder (--support-v2), same database file");
-    consumer.process.terminate(harness::proc::START_DEADLINE);
-    let upgraded = Consumer::start_on(consumer_db.clone(), dir.join("consumer-v2.log"), true, &[]);
-    say(&format!("   consumer restarted on {} with --support-v2", upgraded.process.addr));
-    let unblocked = upgraded.apply("order-2").await;
-    say(&format!("   Apply: {}", describe_apply(&unblocked)));
+    let upgraded = if pg.is_some() {
+        rolling_upgrade(&producer, consumer, &producer_db, &consumer_db, &dir).await?
+    } else {
+        say("\n3. Restart the consumer with the v2 decoder (--support-v2), same database file");
+        consumer.process.terminate(harness::proc::START_DEADLINE);
+        let upgraded = Consumer::start_on(consumer_db.clone(), dir.join("consumer-v2.log"), true, &[]);
+        say(&format!("   consumer restarted on {} with --support-v2", upgraded.process.addr));
+        let unblocked = upgraded.apply("order-2").await;
+        say(&format!("   Apply: {}", describe_apply(&unblocked)));
+        upgraded
+    };
     let after = db::inbox(&consumer_db);
-    let unchanged = before.len() == after.len()
+    // Every row stored before the upgrade is still there, byte for byte (act 3 on PostgreSQL
+    // adds order-3's rows after them).
+    let unchanged = after.len() >= before.len()
         && before
             .iter()
             .zip(&after)
@@ -160,7 +200,7 @@ async fn run() -> anyhow::Result<()> {
     let outbox = db::outbox(&producer_db);
     let inbox = db::inbox(&consumer_db);
     let effects = db::effects(&consumer_db);
-    say(&format!("   committed (producer.db outbox): {} events", outbox.len()));
+    say(&format!("   committed (producer outbox): {} events", outbox.len()));
     say(&format!(
         "   accepted  (outbox accepted=1 / consumer inbox rows): {} / {}",
         outbox.iter().filter(|r| r.accepted).count(),
@@ -176,13 +216,79 @@ async fn run() -> anyhow::Result<()> {
     for e in &effects {
         say(&format!("   effect {} seq {} {} held {}", e.event_id, e.seq, e.kind, e.held));
     }
-    anyhow::ensure!(effects.len() == 6 && outbox.iter().all(|r| r.accepted), "the pipeline did not complete");
+    let expected = if pg.is_some() { 9 } else { 6 };
+    anyhow::ensure!(
+        effects.len() == expected && outbox.iter().all(|r| r.accepted),
+        "the pipeline did not complete"
+    );
 
     drop(upgraded);
     drop(producer);
-    say(&format!(
-        "\nAll processes stopped. The database files stay in {} (producer.db, consumer.db; logs beside them).",
-        dir.display()
-    ));
+    match pg {
+        None => say(&format!(
+            "\nAll processes stopped. The database files stay in {} (producer.db, consumer.db; logs beside them).",
+            dir.display()
+        )),
+        Some(db) => {
+            let name = db.name().to_owned();
+            drop(db);
+            say(&format!(
+                "\nAll processes stopped; database {name} dropped. Logs stay in {}.",
+                dir.display()
+            ));
+        }
+    }
     Ok(())
+}
+
+/// Act 3 on PostgreSQL: the upgrade with no downtime. A `--support-v2` consumer starts beside
+/// the running v1-only one, on the same database; both serve. The old one reports the
+/// schema-2 steps BLOCKED, the new one applies them in order, once; a new schema-2 flow
+/// delivered to the OLD instance is stored there and applied by the new one; then the old
+/// instance is stopped. Returns the new instance.
+async fn rolling_upgrade(
+    producer: &Producer,
+    mut old: Consumer,
+    producer_db: &Target,
+    consumer_db: &Target,
+    dir: &Path,
+) -> anyhow::Result<Consumer> {
+    say("\n3. Upgrade with no downtime: a --support-v2 consumer beside the v1-only one, one database");
+    let new = Consumer::start_on(consumer_db.clone(), dir.join("consumer-v2.log"), true, &[]);
+    say(&format!(
+        "   old consumer on {} (v1 only) and new consumer on {} (--support-v2) both serving",
+        old.process.addr, new.process.addr
+    ));
+    let still_blocked = old.apply("order-2").await;
+    say(&format!("   Apply on the old one: {}", describe_apply(&still_blocked)));
+    anyhow::ensure!(
+        still_blocked.stop == pb::ApplyStop::Blocked as i32 && still_blocked.applied == 0,
+        "the v1-only consumer must report order-2 blocked"
+    );
+    let unblocked = new.apply("order-2").await;
+    say(&format!("   Apply on the new one: {}", describe_apply(&unblocked)));
+    anyhow::ensure!(
+        unblocked.applied_event_ids == ["order-2:2", "order-2:3"],
+        "the new consumer must apply order-2's schema-2 steps in order"
+    );
+    say("   While both serve, a new schema-2 flow arrives through the OLD instance:");
+    for (i, (kind, schema)) in [("reserved", 2), ("confirmed", 2), ("released", 2)].iter().enumerate() {
+        producer.advance(advance("order-3", &format!("order-3:{}", i + 1), i as u64, kind, *schema)).await;
+    }
+    let run = relay(producer_db, &old.process.url(), &["drain"], &[]);
+    anyhow::ensure!(run.code == Some(0), "relay failed: {}", run.stderr);
+    say(&format!("   {}", describe_relay(&run)));
+    let old_says = old.apply("order-3").await;
+    say(&format!("   Apply on the old one: {}", describe_apply(&old_says)));
+    let new_says = new.apply("order-3").await;
+    say(&format!("   Apply on the new one: {}", describe_apply(&new_says)));
+    anyhow::ensure!(
+        old_says.applied == 0 && new_says.applied_event_ids == ["order-3:1", "order-3:2", "order-3:3"],
+        "order-3 must be blocked on the old instance and applied, in order, by the new one"
+    );
+    let again = new.apply("order-3").await;
+    anyhow::ensure!(again.applied == 0, "an applied step must not be applied twice");
+    old.process.terminate(harness::proc::START_DEADLINE);
+    say("   Old instance stopped: the new one served throughout, every step applied once.");
+    Ok(new)
 }

@@ -16,6 +16,7 @@ mod model;
 mod producer;
 mod relay;
 mod relay_liveness;
+mod rolling_upgrade;
 mod scenarios;
 mod security;
 mod storage_faults;
