@@ -9,6 +9,7 @@ mod consumer;
 mod consumer_crash;
 mod consumer_race;
 mod hostile;
+mod instances;
 mod limits;
 mod malformed;
 mod metrics;
