@@ -32,8 +32,8 @@ async fn three_producers_racing_for_each_step_commit_it_once() {
     // the three at once.
     let barrier = Arc::new(Barrier::new(3));
     let mut tasks = Vec::new();
-    for racer in 0..3 {
-        let url = producers[racer].process.url();
+    for (racer, producer) in producers.iter().enumerate() {
+        let url = producer.process.url();
         let barrier = barrier.clone();
         tasks.push(tokio::spawn(async move {
             let mut client = ProducerClient::new(harness::proc::connect(&url).await);
