@@ -34,6 +34,12 @@ pub enum StoreError {
     /// gave up on a serialization failure or deadlock the store could not retry. Retryable.
     #[error("{0}")]
     Busy(String),
+    /// PostgreSQL aborted the transaction to break a deadlock or a serialization failure.
+    /// Retryable, but never inside the same transaction: a savepoint keeps every lock taken
+    /// before it, so the same wait (and the same deadlock) would come back. The whole
+    /// transaction is run again.
+    #[error("{0}")]
+    Aborted(String),
     /// The database server cannot be reached or dropped the connection. Retryable, and a
     /// storage failure (health goes `NOT_SERVING` until a probe commits again).
     #[error("{0}")]
@@ -55,7 +61,14 @@ pub enum StoreError {
 impl StoreError {
     /// Whether the caller may simply try again later (`UNAVAILABLE` on the wire).
     pub fn is_retryable(&self) -> bool {
-        matches!(self, StoreError::Busy(_) | StoreError::Unavailable(_))
+        matches!(self, StoreError::Busy(_) | StoreError::Aborted(_) | StoreError::Unavailable(_))
+    }
+
+    /// Whether the failure ends the transaction it happened in (the server is gone, or it
+    /// aborted the transaction): no savepoint can undo it, and the caller drops the
+    /// transaction instead of going on with it.
+    pub fn loses_transaction(&self) -> bool {
+        matches!(self, StoreError::Aborted(_) | StoreError::Unavailable(_))
     }
 
     /// Whether the error means storage cannot commit (health `NOT_SERVING`), as opposed to
@@ -69,7 +82,7 @@ impl StoreError {
     /// `INTERNAL`. The call changed nothing that was not committed.
     pub fn status(&self, what: &str) -> tonic::Status {
         match self {
-            StoreError::Busy(e) => {
+            StoreError::Busy(e) | StoreError::Aborted(e) => {
                 tonic::Status::unavailable(format!("{what}: database is busy, retry: {e}"))
             }
             StoreError::Unavailable(e) => {

@@ -171,8 +171,9 @@ INSERT INTO probe(id, probed_at_us) VALUES (1, NULL);
 );
 
 impl From<tokio_postgres::Error> for StoreError {
-    /// A deadlock, serialization failure or lock timeout is contention (retryable); a lost
-    /// server or connection is unavailable storage (retryable, and health goes NOT_SERVING);
+    /// A deadlock or serialization failure aborted the transaction (retryable, as a whole
+    /// transaction); a lock timeout is contention (retryable); a lost server or connection
+    /// is unavailable storage (retryable, and health goes NOT_SERVING);
     /// a constraint or a trigger's exception refused one row; anything else failed.
     fn from(e: tokio_postgres::Error) -> StoreError {
         classify(&e)
@@ -183,7 +184,9 @@ impl From<tokio_postgres::Error> for StoreError {
 fn classify(e: &tokio_postgres::Error) -> StoreError {
     let text = proto::pg::describe(e);
     let code = e.code().map(|c| c.code().to_owned()).unwrap_or_default();
-    if proto::pg::is_serialization_failure(e) || code == "55P03" {
+    if proto::pg::is_serialization_failure(e) {
+        StoreError::Aborted(text)
+    } else if code == "55P03" {
         StoreError::Busy(text)
     } else if proto::pg::is_retryable(e) {
         StoreError::Unavailable(text)
@@ -257,19 +260,57 @@ impl PgStore {
     }
 
     pub(crate) async fn receive_batch(&self, jobs: &[Incoming], ctx: ReceiveContext) -> Vec<BatchAnswer> {
+        let mut attempt = 0;
+        loop {
+            match self.receive_once(jobs, ctx).await {
+                Ok(answers) => return answers,
+                Err(e) if attempt < ABORT_RETRIES => {
+                    // The server aborted the batch's transaction (a deadlock with another
+                    // consumer on the same rows, say): nothing of it was written.
+                    attempt += 1;
+                    tracing::debug!(error = %e, attempt, "receive: transaction aborted; running the batch again");
+                    abort_pause(attempt).await;
+                }
+                Err(e) => {
+                    if let Some(watch) = ctx.storage {
+                        watch.commit_failed(&e);
+                    }
+                    return jobs
+                        .iter()
+                        .map(|job| {
+                            job.stream.fail();
+                            Some(Err(e.clone()))
+                        })
+                        .collect();
+                }
+            }
+        }
+    }
+
+    /// One attempt at a Receive batch: its answers, or `Err` (only [`StoreError::Aborted`])
+    /// when the server aborted the transaction before anything was answered.
+    async fn receive_once(
+        &self,
+        jobs: &[Incoming],
+        ctx: ReceiveContext,
+    ) -> std::result::Result<Vec<BatchAnswer>, StoreError> {
         let report = |e: &StoreError| {
             if let Some(watch) = ctx.storage {
                 watch.commit_failed(e);
             }
         };
-        let fail_all = |e: StoreError| -> Vec<BatchAnswer> {
+        let fail_all = |e: StoreError| -> std::result::Result<Vec<BatchAnswer>, StoreError> {
+            if matches!(e, StoreError::Aborted(_)) {
+                return Err(e);
+            }
             report(&e);
-            jobs.iter()
+            Ok(jobs
+                .iter()
                 .map(|job| {
                     job.stream.fail();
                     Some(Err(e.clone()))
                 })
-                .collect()
+                .collect())
         };
         let mut client = match self.pool.get().await {
             Ok(client) => client,
@@ -409,7 +450,7 @@ impl PgStore {
         if !inserted {
             // Nothing was written: the transaction rolls back (on drop).
             drop(tx);
-            return results;
+            return Ok(results);
         }
         if let Some(refused) = ctx.storage.map_or(Ok(()), |watch| watch.before_commit()).err() {
             drop(tx);
@@ -422,7 +463,7 @@ impl PgStore {
             watch.commit_succeeded();
         }
         ctx.crash.reach(CrashPoint::ConsumerReceiveAfterCommit);
-        results
+        Ok(results)
     }
 
     pub(crate) async fn apply_flows(
@@ -437,8 +478,10 @@ impl PgStore {
         let fast = !opts.crash.is_armed_at(CrashPoint::ConsumerApplyAfterProjection)
             && !opts.crash.is_armed_at(CrashPoint::ConsumerApplyAfterEffect);
         let mut next = 0;
+        let mut aborted = 0;
         while next < runs.len() {
             let started = std::time::Instant::now();
+            let group_start = next;
             let mut client = match self.pool.get().await {
                 Ok(client) => client,
                 Err(e) => {
@@ -518,6 +561,25 @@ impl PgStore {
                 Ok(())
             };
             drop(client);
+            if let Err(StoreError::Aborted(e)) = &finished
+                && aborted < ABORT_RETRIES
+            {
+                // The server aborted the group's transaction (a deadlock with another
+                // applier, say): nothing of it was written; run the same group again.
+                aborted += 1;
+                tracing::debug!(error = %e, attempt = aborted, "apply: transaction aborted; running the group again");
+                // Every flow from the group's first on: those it ended, the one it was in
+                // (past steps committed by earlier groups stay), and the untouched rest.
+                for run in &mut runs[group_start..] {
+                    run.pending.clear();
+                    run.wrote = false;
+                    run.end = None;
+                }
+                next = group_start;
+                abort_pause(aborted).await;
+                continue;
+            }
+            aborted = 0;
             settle(&mut runs, finished, started, &opts);
         }
         reports(runs, &opts)
@@ -768,6 +830,17 @@ async fn apply_fast(
     Ok(Some(after))
 }
 
+/// How often a transaction the server aborted (deadlock, serialization failure) is run again
+/// as a whole before its calls fail with `UNAVAILABLE`.
+const ABORT_RETRIES: u32 = 8;
+
+/// A short, growing, jittered pause before running an aborted transaction again, so the
+/// transaction it deadlocked with can finish first.
+async fn abort_pause(attempt: u32) {
+    let jitter = u64::try_from(runtime::now_us()).unwrap_or(0) % 5;
+    tokio::time::sleep(std::time::Duration::from_millis(u64::from(attempt) * 5 + jitter)).await;
+}
+
 /// A fast path's savepoint: opened in the same round trip as the path's first statement,
 /// and rolled back when the path gives way to the step-by-step one.
 #[derive(Clone, Copy)]
@@ -818,7 +891,7 @@ impl FastPath {
         tx: &Transaction<'_>,
         e: StoreError,
     ) -> std::result::Result<Option<T>, StoreError> {
-        if matches!(e, StoreError::Unavailable(_)) {
+        if e.loses_transaction() {
             return Err(e);
         }
         tracing::debug!(error = %e, "{}", self.undone);
@@ -1052,7 +1125,7 @@ where
             Ok(()) => Ok(value),
             Err(e) => Err(StepFailure::TransactionLost(e.into())),
         },
-        Err(e @ StoreError::Unavailable(_)) => Err(StepFailure::TransactionLost(e)),
+        Err(e) if e.loses_transaction() => Err(StepFailure::TransactionLost(e)),
         Err(e) => match tx.batch_execute("ROLLBACK TO SAVEPOINT step; RELEASE SAVEPOINT step").await {
             Ok(()) => Err(StepFailure::RolledBack(e)),
             Err(_) => Err(StepFailure::TransactionLost(e)),
@@ -1414,7 +1487,7 @@ async fn pipeline(
         let failed = inserted.as_ref().err().or(read.as_ref().err());
         if let Some(e) = failed {
             let e = classify(e);
-            if matches!(e, StoreError::Unavailable(_)) {
+            if e.loses_transaction() {
                 return (decided, Some(StepFailure::TransactionLost(e)));
             }
             let undone = tx.batch_execute("ROLLBACK TO SAVEPOINT step; RELEASE SAVEPOINT step").await;
