@@ -1,5 +1,6 @@
 //! `chaos`: the chaos run over the real binaries. Starts producer, consumer and
-//! two `relay run`s on fresh databases (files, or with `--backend postgres` a fresh database on
+//! two `relay run`s (profile `multi`: three producers, three consumers and three relays, on
+//! PostgreSQL only) on fresh databases (files, or with `--backend postgres` a fresh database on
 //! the server named by `ORDERED_EVENTS_TEST_PG_URL`, dropped afterwards), loads them with concurrent Advance clients, SIGKILLs and
 //! restarts them on a seeded schedule, then checks invariants I1–I7 and the coverage floors.
 //! Exits 0 only when every invariant held and every floor was reached. Build the binaries
@@ -18,9 +19,10 @@ use proto::pg::testing::TestDb;
 #[derive(Debug, Parser)]
 #[command(name = "chaos", version)]
 struct Args {
-    /// `ci` (the floors in about 5 minutes), `soak` (10 minutes of faults per seed) or
-    /// `smoke` (a few seconds).
-    #[arg(long, default_value = "ci", value_parser = ["ci", "soak", "smoke"])]
+    /// `ci` (the floors in about 5 minutes), `multi` (the same floors with three producers,
+    /// three consumers and three relays on one database; needs `--backend postgres`), `soak`
+    /// (10 minutes of faults per seed) or `smoke` (a few seconds).
+    #[arg(long, default_value = "ci", value_parser = ["ci", "multi", "soak", "smoke"])]
     profile: String,
     /// The schedule's seed (printed; the same seed replays the same schedule). Default: from
     /// the clock.
@@ -86,6 +88,13 @@ fn main() -> ExitCode {
             eprintln!("chaos: error: {e}");
             return ExitCode::from(2);
         }
+    }
+    if cfg.quota.instances > 1 && Backend::current() != Backend::Postgres {
+        eprintln!(
+            "chaos: error: profile {} runs several instances on one database: it needs --backend postgres",
+            cfg.profile
+        );
+        return ExitCode::from(2);
     }
     // Dropped (the database with it) after the run.
     let mut _pg: Option<TestDb> = None;

@@ -1,7 +1,9 @@
-//! The chaos run's real processes: one producer, one consumer and two `relay run`s on one
-//! pair of files, each SIGKILLed and restarted on demand. A restarted producer gets a new
-//! port (clients follow the published address); a restarted consumer takes its old address
-//! back (relays keep their URL), or a new one with the relays restarted to point at it.
+//! The chaos run's real processes: producers, consumers and `relay run`s (one producer, one
+//! consumer and two relays in the single-instance profiles; several of each on one
+//! PostgreSQL database in the multi-instance one), each SIGKILLed and restarted on demand. A
+//! restarted producer gets a new port (its clients follow the published address); a
+//! restarted consumer takes its old address back (relays keep their URL), or a new one with
+//! the relays that send to it restarted to point at it.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -27,13 +29,26 @@ pub struct Endpoint {
 /// How the processes are started.
 #[derive(Clone, Debug)]
 pub struct ProcessOptions {
-    /// Pass `--auto-apply` to the consumer (a later change adds the flag; until then the
-    /// driver's applier task calls `ApplyAll`).
+    /// Pass `--auto-apply` to the consumers (else the driver's applier task calls
+    /// `ApplyAll`).
     pub auto_apply: bool,
     /// `relay run` flags after the subcommand.
     pub relay_args: Vec<String>,
     /// How long a server may take to print its address.
     pub start_deadline: Duration,
+    /// Producer instances, and consumer instances (the same number).
+    pub instances: u8,
+    /// `relay run` instances; relay `r` sends to consumer `r % instances`.
+    pub relays: u8,
+}
+
+/// One consumer instance.
+struct ConsumerSlot {
+    process: Option<ServerProcess>,
+    /// The address it listens on (kept across restarts while the port is free).
+    addr: String,
+    /// Where consumer clients (the injector, the applier) find it.
+    ep: watch::Sender<Endpoint>,
 }
 
 /// The running processes and where their logs go.
@@ -42,72 +57,92 @@ pub struct Cluster {
     /// The two databases.
     pub files: Files,
     opts: ProcessOptions,
-    producer: Option<ServerProcess>,
-    consumer: Option<ServerProcess>,
-    consumer_addr: String,
-    relays: [Option<RelayDaemon>; 2],
-    /// Starts so far, per victim (0 = producer, 1 = consumer, 2/3 = relays).
-    starts: [u64; 4],
+    producers: Vec<Option<ServerProcess>>,
+    consumers: Vec<ConsumerSlot>,
+    relays: Vec<Option<RelayDaemon>>,
+    /// Starts so far, per victim.
+    starts: std::collections::BTreeMap<Victim, u64>,
     /// Every relay stdout file of every generation, for counting answers afterwards.
     pub relay_outputs: Vec<PathBuf>,
     /// Consumer restarts that could not take the old address back (relays were restarted).
     pub consumer_moves: u64,
-    /// Where producer clients find the current producer.
-    pub producer_ep: watch::Sender<Endpoint>,
-    /// Where consumer clients find the current consumer.
-    pub consumer_ep: watch::Sender<Endpoint>,
+    /// Where producer clients find each current producer.
+    pub producer_eps: Vec<watch::Sender<Endpoint>>,
 }
 
-fn slot(v: Victim) -> usize {
-    match v {
-        Victim::Producer => 0,
-        Victim::Consumer => 1,
-        Victim::RelayA => 2,
-        Victim::RelayB => 3,
-    }
+fn endpoint() -> watch::Sender<Endpoint> {
+    watch::Sender::new(Endpoint { generation: 0, url: String::new() })
 }
 
 impl Cluster {
-    /// Starts the producer (which creates its store in `files`), the consumer, then both
+    /// Starts the producers (the first creates its store in `files`), the consumers, then the
     /// relays; logs go to `dir`.
     pub fn start(dir: &Path, files: Files, opts: ProcessOptions) -> Result<Cluster, String> {
+        let n = opts.instances.max(1);
+        let relays = opts.relays;
         let mut cluster = Cluster {
             dir: dir.to_owned(),
             files,
-            opts,
-            producer: None,
-            consumer: None,
-            consumer_addr: "127.0.0.1:0".into(),
-            relays: [None, None],
-            starts: [0; 4],
+            producers: (0..n).map(|_| None).collect(),
+            consumers: (0..n)
+                .map(|_| ConsumerSlot { process: None, addr: "127.0.0.1:0".into(), ep: endpoint() })
+                .collect(),
+            relays: (0..relays).map(|_| None).collect(),
+            starts: Default::default(),
             relay_outputs: Vec::new(),
             consumer_moves: 0,
-            producer_ep: watch::Sender::new(Endpoint { generation: 0, url: String::new() }),
-            consumer_ep: watch::Sender::new(Endpoint { generation: 0, url: String::new() }),
+            producer_eps: (0..n).map(|_| endpoint()).collect(),
+            opts,
         };
-        for v in [Victim::Producer, Victim::Consumer, Victim::RelayA, Victim::RelayB] {
-            cluster.restart(v)?;
+        for i in 0..n {
+            cluster.restart(Victim::Producer(i))?;
+        }
+        for i in 0..n {
+            cluster.restart(Victim::Consumer(i))?;
+        }
+        for r in 0..relays {
+            cluster.restart(Victim::Relay(r))?;
         }
         Ok(cluster)
+    }
+
+    /// Every process the cluster runs.
+    pub fn victims(&self) -> Vec<Victim> {
+        let n = self.producers.len() as u8;
+        let mut all: Vec<Victim> = (0..n).map(Victim::Producer).collect();
+        all.extend((0..n).map(Victim::Consumer));
+        all.extend((0..self.relays.len() as u8).map(Victim::Relay));
+        all
+    }
+
+    /// Where consumer `i`'s clients find it.
+    pub fn consumer_ep(&self, i: usize) -> watch::Receiver<Endpoint> {
+        self.consumers[i % self.consumers.len()].ep.subscribe()
+    }
+
+    /// Where producer `i`'s clients find it.
+    pub fn producer_ep(&self, i: usize) -> watch::Receiver<Endpoint> {
+        self.producer_eps[i % self.producer_eps.len()].subscribe()
     }
 
     /// The process id of a victim's current process.
     pub fn pid(&self, v: Victim) -> Option<u32> {
         match v {
-            Victim::Producer => self.producer.as_ref().and_then(ServerProcess::pid),
-            Victim::Consumer => self.consumer.as_ref().and_then(ServerProcess::pid),
-            Victim::RelayA => self.relays[0].as_ref().and_then(RelayDaemon::pid),
-            Victim::RelayB => self.relays[1].as_ref().and_then(RelayDaemon::pid),
+            Victim::Producer(i) => self.producers[usize::from(i)].as_ref().and_then(ServerProcess::pid),
+            Victim::Consumer(i) => {
+                self.consumers[usize::from(i)].process.as_ref().and_then(ServerProcess::pid)
+            }
+            Victim::Relay(r) => self.relays[usize::from(r)].as_ref().and_then(RelayDaemon::pid),
         }
     }
 
     /// SIGKILL the victim's process now (and reap it).
     pub fn kill(&mut self, v: Victim) {
         match v {
-            Victim::Producer => drop(self.producer.take()),
-            Victim::Consumer => drop(self.consumer.take()),
-            Victim::RelayA | Victim::RelayB => {
-                if let Some(mut relay) = self.relays[slot(v) - 2].take() {
+            Victim::Producer(i) => drop(self.producers[usize::from(i)].take()),
+            Victim::Consumer(i) => drop(self.consumers[usize::from(i)].process.take()),
+            Victim::Relay(r) => {
+                if let Some(mut relay) = self.relays[usize::from(r)].take() {
                     relay.kill();
                 }
             }
@@ -116,59 +151,77 @@ impl Cluster {
 
     /// Starts the victim again (it must not be running).
     pub fn restart(&mut self, v: Victim) -> Result<(), String> {
-        let generation = self.starts[slot(v)] + 1;
-        self.starts[slot(v)] = generation;
+        let generation = {
+            let starts = self.starts.entry(v).or_insert(0);
+            *starts += 1;
+            *starts
+        };
+        let name = v.name();
         match v {
-            Victim::Producer => {
+            Victim::Producer(i) => {
                 let args = vec![
                     "--db".into(),
                     self.files.producer_db.arg(),
                     "--listen".into(),
                     "127.0.0.1:0".into(),
                 ];
-                let log = self.dir.join(format!("producer.{generation}.log"));
+                let log = self.dir.join(format!("{name}.{generation}.log"));
                 let p = ServerProcess::try_start("producer", &args, &[], log, self.opts.start_deadline)?;
-                self.producer_ep.send_replace(Endpoint { generation, url: p.url() });
-                self.producer = Some(p);
+                self.producer_eps[usize::from(i)].send_replace(Endpoint { generation, url: p.url() });
+                self.producers[usize::from(i)] = Some(p);
             }
-            Victim::Consumer => {
-                let first = self.consumer_addr.clone();
-                let consumer = match self.start_consumer(&first, generation, "") {
+            Victim::Consumer(i) => {
+                let slot = usize::from(i);
+                let first = self.consumers[slot].addr.clone();
+                let consumer = match self.start_consumer(&name, &first, generation, "") {
                     Ok(c) => c,
                     Err(e) if !first.ends_with(":0") => {
-                        // The old port was taken meanwhile: take any, and move the relays.
-                        eprintln!("chaos: consumer could not rebind {first}; moving ({})", first_line(&e));
+                        // The old port was taken meanwhile: take any, and move its relays.
+                        eprintln!("chaos: {name} could not rebind {first}; moving ({})", first_line(&e));
                         self.consumer_moves += 1;
-                        self.start_consumer("127.0.0.1:0", generation, ".moved")?
+                        self.start_consumer(&name, "127.0.0.1:0", generation, ".moved")?
                     }
                     Err(e) => return Err(e),
                 };
-                let moved = consumer.addr != self.consumer_addr;
-                self.consumer_addr = consumer.addr.clone();
-                self.consumer_ep.send_replace(Endpoint { generation, url: consumer.url() });
-                self.consumer = Some(consumer);
+                let moved = consumer.addr != self.consumers[slot].addr;
+                self.consumers[slot].addr = consumer.addr.clone();
+                self.consumers[slot].ep.send_replace(Endpoint { generation, url: consumer.url() });
+                self.consumers[slot].process = Some(consumer);
                 if moved {
-                    for (i, relay) in [Victim::RelayA, Victim::RelayB].into_iter().enumerate() {
-                        if let Some(running) = self.relays[i].take() {
+                    for r in 0..self.relays.len() {
+                        if self.relay_target(r) == slot
+                            && let Some(running) = self.relays[r].take()
+                        {
                             running.terminate(Duration::from_secs(30));
-                            self.restart(relay)?;
+                            self.restart(Victim::Relay(r as u8))?;
                         }
                     }
                 }
             }
-            Victim::RelayA | Victim::RelayB => {
-                let name = format!("{}.{generation}", v.name());
-                let url = format!("http://{}", self.consumer_addr);
+            Victim::Relay(r) => {
+                let name = format!("{name}.{generation}");
+                let url = format!("http://{}", self.consumers[self.relay_target(usize::from(r))].addr);
                 let extra: Vec<&str> = self.opts.relay_args.iter().map(String::as_str).collect();
                 let relay = RelayDaemon::start(&self.dir, &name, &self.files.producer_db, &url, &extra, &[]);
                 self.relay_outputs.push(relay.stdout.clone());
-                self.relays[slot(v) - 2] = Some(relay);
+                self.relays[usize::from(r)] = Some(relay);
             }
         }
         Ok(())
     }
 
-    fn start_consumer(&self, listen: &str, generation: u64, suffix: &str) -> Result<ServerProcess, String> {
+    /// The consumer relay `r` sends to.
+    fn relay_target(&self, r: usize) -> usize {
+        r % self.consumers.len()
+    }
+
+    fn start_consumer(
+        &self,
+        name: &str,
+        listen: &str,
+        generation: u64,
+        suffix: &str,
+    ) -> Result<ServerProcess, String> {
         let mut args = vec![
             "--db".into(),
             self.files.consumer_db.arg(),
@@ -179,19 +232,14 @@ impl Cluster {
         if self.opts.auto_apply {
             args.push("--auto-apply".into());
         }
-        let log = self.dir.join(format!("consumer.{generation}{suffix}.log"));
+        let log = self.dir.join(format!("{name}.{generation}{suffix}.log"));
         ServerProcess::try_start("consumer", &args, &[], log, self.opts.start_deadline)
     }
 
     /// Delivery lines the victim relay's current process has written so far (0 for others).
     pub fn relay_deliveries(&self, v: Victim) -> usize {
-        let Some(relay) = (match v {
-            Victim::RelayA => self.relays[0].as_ref(),
-            Victim::RelayB => self.relays[1].as_ref(),
-            _ => None,
-        }) else {
-            return 0;
-        };
+        let Victim::Relay(r) = v else { return 0 };
+        let Some(relay) = self.relays[usize::from(r)].as_ref() else { return 0 };
         std::fs::read_to_string(&relay.stdout)
             .map(|text| text.lines().filter(|l| l.contains("\"type\":\"delivery\"")).count())
             .unwrap_or(0)
@@ -200,16 +248,14 @@ impl Cluster {
     /// True while the victim's process runs (a relay that exited on its own is not).
     pub fn is_running(&mut self, v: Victim) -> bool {
         match v {
-            Victim::RelayA | Victim::RelayB => {
-                self.relays[slot(v) - 2].as_mut().is_some_and(|r| r.is_running())
-            }
-            Victim::Producer => self.producer.is_some(),
-            Victim::Consumer => self.consumer.is_some(),
+            Victim::Relay(r) => self.relays[usize::from(r)].as_mut().is_some_and(|r| r.is_running()),
+            Victim::Producer(i) => self.producers[usize::from(i)].is_some(),
+            Victim::Consumer(i) => self.consumers[usize::from(i)].process.is_some(),
         }
     }
 
     /// Stops everything cleanly (SIGTERM): relays first (their summary lines are written),
-    /// then the consumer and the producer. Returns the relays' exit codes.
+    /// then the consumers and the producers. Returns the relays' exit codes.
     pub fn stop(&mut self) -> Vec<Option<i32>> {
         let mut codes = Vec::new();
         for relay in self.relays.iter_mut() {
@@ -217,8 +263,9 @@ impl Cluster {
                 codes.push(r.terminate(Duration::from_secs(30)).code);
             }
         }
-        for server in [self.consumer.take(), self.producer.take()].into_iter().flatten() {
-            let mut server = server;
+        let consumers = self.consumers.iter_mut().filter_map(|c| c.process.take());
+        let producers: Vec<ServerProcess> = self.producers.iter_mut().filter_map(Option::take).collect();
+        for mut server in consumers.collect::<Vec<_>>().into_iter().chain(producers) {
             server.terminate(Duration::from_secs(30));
         }
         codes

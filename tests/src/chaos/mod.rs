@@ -102,6 +102,8 @@ impl ChaosConfig {
                 producer: 50,
                 consumer: 50,
                 relay_each: 30,
+                instances: 1,
+                relays: 2,
                 double_percent: 20,
                 start: 150,
                 span: 9_400,
@@ -138,6 +140,8 @@ impl ChaosConfig {
                     producer: 4,
                     consumer: 4,
                     relay_each: 2,
+                    instances: 1,
+                    relays: 2,
                     double_percent: 25,
                     start: 60,
                     span: 700,
@@ -154,6 +158,13 @@ impl ChaosConfig {
                 budget: Duration::from_secs(120),
                 drain: Duration::from_secs(60),
                 hang: Duration::from_secs(30),
+                ..ci
+            }),
+            // Three producers, three consumers and three relays on one PostgreSQL database:
+            // the CI floors, the kills spread over every instance.
+            "multi" => Some(ChaosConfig {
+                profile: "multi",
+                quota: Quota { relay_each: 20, instances: 3, relays: 3, ..ci.quota },
                 ..ci
             }),
             "soak" => Some(ChaosConfig {
@@ -334,6 +345,8 @@ pub fn run(cfg: &ChaosConfig, dir: &Path, files: Files) -> ChaosReport {
         auto_apply: cfg.auto_apply,
         relay_args: cfg.relay_args.clone(),
         start_deadline: cfg.hang,
+        instances: cfg.quota.instances,
+        relays: cfg.quota.relays,
     };
     let mut cluster = match Cluster::start(dir, files, opts) {
         Ok(c) => c,
@@ -358,9 +371,10 @@ pub fn run(cfg: &ChaosConfig, dir: &Path, files: Files) -> ChaosReport {
     };
     let next_flow = Arc::new(AtomicU64::new(0));
     let mut clients = Vec::new();
-    for _ in 0..cfg.clients {
+    for i in 0..cfg.clients {
         let (progress, opts, next_flow) = (Arc::clone(&progress), load_opts.clone(), Arc::clone(&next_flow));
-        let ep = cluster.producer_ep.subscribe();
+        // Clients are spread over the producer instances.
+        let ep = cluster.producer_ep(i);
         let flows = cfg.flows;
         clients.push(runtime.spawn(async move {
             let more = |n: u64| {
@@ -371,12 +385,12 @@ pub fn run(cfg: &ChaosConfig, dir: &Path, files: Files) -> ChaosReport {
         }));
     }
     let applier = (!cfg.auto_apply).then(|| {
-        let (progress, ep) = (Arc::clone(&progress), cluster.consumer_ep.subscribe());
+        let (progress, ep) = (Arc::clone(&progress), cluster.consumer_ep(0));
         runtime.spawn(async move { load::applier(ep, &progress).await })
     });
     let injector = cfg.inject.then(|| {
         let (progress, ep, opts, files) =
-            (Arc::clone(&progress), cluster.consumer_ep.subscribe(), load_opts.clone(), files.clone());
+            (Arc::clone(&progress), cluster.consumer_ep(1), load_opts.clone(), files.clone());
         runtime.spawn(async move { load::injector(&files, ep, &progress, &opts).await })
     });
 
@@ -441,12 +455,13 @@ pub fn run(cfg: &ChaosConfig, dir: &Path, files: Files) -> ChaosReport {
     r
 }
 
-/// What the servers had written, read from the files: the producer's highest outbox rowid;
-/// the consumer's highest inbox rowid and its effect count. A server has worked since its
-/// start when its numbers grew.
+/// What the servers had written, read from the databases: the producers' highest outbox
+/// rowid; the consumers' highest inbox rowid and effect count. A server has worked since its
+/// start when its numbers grew (with several instances on one database, the numbers are
+/// shared: growth then says the kind worked, not that instance).
 fn written(files: &checker::Files, v: Victim) -> Option<(u64, u64)> {
     match v {
-        Victim::Producer => {
+        Victim::Producer(_) => {
             let p = db::try_open_ro(&files.producer_db).ok()?;
             Some((db::outbox_high_water(&p).ok()?, 0))
         }
@@ -468,7 +483,7 @@ fn supervise(
     let mut kills = Vec::new();
     let files = cluster.files.clone();
     let mut marks: BTreeMap<Victim, (u64, u64)> = BTreeMap::new();
-    for v in [Victim::Producer, Victim::Consumer] {
+    for v in cluster.victims().into_iter().filter(|v| !matches!(v, Victim::Relay(_))) {
         marks.insert(v, written(&files, v).unwrap_or_default());
     }
     let out_of_time = |progress: &Progress| {
@@ -492,11 +507,11 @@ fn supervise(
             for &victim in &step.victims {
                 let worked = poll(cfg.hang, || {
                     let busy = match victim {
-                        Victim::RelayA | Victim::RelayB => cluster.relay_deliveries(victim) > 0,
-                        Victim::Producer => {
+                        Victim::Relay(_) => cluster.relay_deliveries(victim) > 0,
+                        Victim::Producer(_) => {
                             written(&files, victim).is_some_and(|now| now.0 > marks[&victim].0)
                         }
-                        Victim::Consumer => written(&files, victim).is_some_and(|now| {
+                        Victim::Consumer(_) => written(&files, victim).is_some_and(|now| {
                             let then = marks[&victim];
                             now.0 > then.0 || now.1 > then.1
                         }),
@@ -533,7 +548,7 @@ fn supervise(
                     progress.fail(format!("restart of {}: {e}", victim.name()));
                     break 'blocks;
                 }
-                if matches!(victim, Victim::Producer | Victim::Consumer) {
+                if !matches!(victim, Victim::Relay(_)) {
                     marks.insert(victim, written(&files, victim).unwrap_or_default());
                 }
             }

@@ -6,36 +6,37 @@ use serde::Serialize;
 
 use crate::rng::Rng;
 
-/// A process the schedule can kill.
+/// A process the schedule can kill: which kind, and which instance of that kind (0-based).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 pub enum Victim {
-    /// The producer server.
-    Producer,
-    /// The consumer server.
-    Consumer,
-    /// The first `relay run`.
-    RelayA,
-    /// The second `relay run`.
-    RelayB,
+    /// A producer server.
+    Producer(u8),
+    /// A consumer server.
+    Consumer(u8),
+    /// A `relay run`.
+    Relay(u8),
 }
 
 impl Victim {
     /// The kind of process (`producer`, `consumer`, `relay`), for the per-kind floors.
     pub fn kind(self) -> &'static str {
         match self {
-            Victim::Producer => "producer",
-            Victim::Consumer => "consumer",
-            Victim::RelayA | Victim::RelayB => "relay",
+            Victim::Producer(_) => "producer",
+            Victim::Consumer(_) => "consumer",
+            Victim::Relay(_) => "relay",
         }
     }
 
-    /// The process's name in logs and reports.
-    pub fn name(self) -> &'static str {
+    /// The process's name in logs and reports: `producer`, `consumer`, `relay-a`, `relay-b`
+    /// for the single-instance profiles (the names their schedules always had), then
+    /// `producer-2`, `consumer-3`, `relay-c`, ….
+    pub fn name(self) -> String {
         match self {
-            Victim::Producer => "producer",
-            Victim::Consumer => "consumer",
-            Victim::RelayA => "relay-a",
-            Victim::RelayB => "relay-b",
+            Victim::Producer(0) => "producer".into(),
+            Victim::Consumer(0) => "consumer".into(),
+            Victim::Producer(i) => format!("producer-{}", u32::from(i) + 1),
+            Victim::Consumer(i) => format!("consumer-{}", u32::from(i) + 1),
+            Victim::Relay(i) => format!("relay-{}", char::from(b'a' + i % 26)),
         }
     }
 }
@@ -57,8 +58,13 @@ pub struct Quota {
     pub producer: usize,
     /// Consumer kills per block.
     pub consumer: usize,
-    /// Per relay (there are two).
+    /// Per relay.
     pub relay_each: usize,
+    /// Producer and consumer instances (the producer and consumer kills are spread over
+    /// them in turn).
+    pub instances: u8,
+    /// `relay run` instances.
+    pub relays: u8,
     /// Percent of steps that kill two different processes at once.
     pub double_percent: u64,
     /// The first step's threshold.
@@ -70,7 +76,7 @@ pub struct Quota {
 impl Quota {
     /// Kills in one block.
     pub fn kills(&self) -> usize {
-        self.producer + self.consumer + 2 * self.relay_each
+        self.producer + self.consumer + usize::from(self.relays) * self.relay_each
     }
 }
 
@@ -80,10 +86,12 @@ impl Quota {
 pub fn block(seed: u64, block: u64, quota: &Quota) -> Vec<KillStep> {
     let mut rng = Rng::derive(seed ^ 0x5CED_0000, block);
     let mut victims: Vec<Victim> = Vec::with_capacity(quota.kills());
-    victims.extend(std::iter::repeat_n(Victim::Producer, quota.producer));
-    victims.extend(std::iter::repeat_n(Victim::Consumer, quota.consumer));
-    victims.extend(std::iter::repeat_n(Victim::RelayA, quota.relay_each));
-    victims.extend(std::iter::repeat_n(Victim::RelayB, quota.relay_each));
+    let instances = quota.instances.max(1);
+    victims.extend((0..quota.producer).map(|k| Victim::Producer((k % usize::from(instances)) as u8)));
+    victims.extend((0..quota.consumer).map(|k| Victim::Consumer((k % usize::from(instances)) as u8)));
+    for r in 0..quota.relays {
+        victims.extend(std::iter::repeat_n(Victim::Relay(r), quota.relay_each));
+    }
     rng.shuffle(&mut victims);
     let mut groups: Vec<Vec<Victim>> = Vec::new();
     let mut i = 0;
@@ -120,8 +128,16 @@ pub fn block(seed: u64, block: u64, quota: &Quota) -> Vec<KillStep> {
 mod tests {
     use super::*;
 
-    const QUOTA: Quota =
-        Quota { producer: 50, consumer: 50, relay_each: 30, double_percent: 20, start: 100, span: 9_400 };
+    const QUOTA: Quota = Quota {
+        producer: 50,
+        consumer: 50,
+        relay_each: 30,
+        instances: 1,
+        relays: 2,
+        double_percent: 20,
+        start: 100,
+        span: 9_400,
+    };
 
     #[test]
     fn same_seed_same_schedule() {
@@ -143,5 +159,18 @@ mod tests {
             let (first, last) = (steps[0].at_committed, steps[steps.len() - 1].at_committed);
             assert!(first > 100 + 9_400 && last == 100 + 2 * 9_400, "seed {seed}: {first}..{last}");
         }
+    }
+
+    #[test]
+    fn several_instances_share_their_kinds_kills() {
+        let quota = Quota { instances: 3, relays: 3, relay_each: 20, ..QUOTA };
+        let all: Vec<Victim> = block(7, 0, &quota).into_iter().flat_map(|s| s.victims).collect();
+        for i in 0..3u8 {
+            let of = |v: Victim| all.iter().filter(|x| **x == v).count();
+            assert!(of(Victim::Producer(i)) >= 16, "producer {i}");
+            assert!(of(Victim::Consumer(i)) >= 16, "consumer {i}");
+            assert_eq!(of(Victim::Relay(i)), 20, "relay {i}");
+        }
+        assert_eq!(all.len(), 160);
     }
 }
