@@ -64,6 +64,9 @@ pub struct OutboxRecord {
     pub attempts: u64,
     /// The last answer's word, e.g. `BACKLOG_FULL` (none before the first answer).
     pub last_outcome: Option<String>,
+    /// When its transaction stamped it (microseconds since the epoch): sent with the
+    /// envelope so the consumer can measure commit→applied. `None` until it is written.
+    pub committed_at_us: Option<i64>,
 }
 
 /// What `advance` decided.
@@ -169,6 +172,7 @@ pub fn decide(
         accepted: false,
         attempts: 0,
         last_outcome: None,
+        committed_at_us: None,
     };
     let flow = FlowRecord {
         seq: stored.seq,
