@@ -436,6 +436,14 @@ impl ProducerStore {
         }
     }
 
+    /// The connection pool's state (PostgreSQL only).
+    pub fn pool_status(&self) -> Option<runtime::metrics::PoolStatus> {
+        match self {
+            ProducerStore::Sqlite(_) => None,
+            ProducerStore::Postgres(s) => Some(s.pool_status()),
+        }
+    }
+
     /// This producer database's random identity, created with it.
     pub async fn database_id(&self) -> Result<String, StoreError> {
         match self {

@@ -189,6 +189,16 @@ impl PgStore {
         Ok((flow, outbox))
     }
 
+    pub(super) fn pool_status(&self) -> runtime::metrics::PoolStatus {
+        let status = self.pool.status();
+        runtime::metrics::PoolStatus {
+            max: status.max_size,
+            size: status.size,
+            available: status.available,
+            waiting: status.waiting,
+        }
+    }
+
     pub(super) fn backlog_gauges<G>(&self, to_gauges: G) -> GaugeReader
     where
         G: Fn(Backlog) -> Vec<GaugeSample> + Send + Sync + 'static,
