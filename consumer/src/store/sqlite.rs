@@ -295,7 +295,7 @@ impl SqliteStore {
     }
 
     pub(crate) async fn backlog_counts(&self) -> Result<BacklogCounts> {
-        self.with_conn(|conn| backlog_counts(conn)).await
+        self.with_conn(backlog_counts).await
     }
 
     pub(crate) fn backlog_reader(&self) -> BacklogReader {
