@@ -517,6 +517,16 @@ pub(crate) fn commit_lag_us(committed_at_us: Option<i64>, applied_at_us: i64) ->
     committed_at_us.and_then(|c| u64::try_from(applied_at_us.checked_sub(c)?).ok())
 }
 
+#[cfg(test)]
+#[test]
+fn a_commit_lag_needs_a_stamp_and_clocks_in_order() {
+    assert_eq!(commit_lag_us(Some(1_000), 1_500), Some(500));
+    assert_eq!(commit_lag_us(Some(1_500), 1_500), Some(0));
+    assert_eq!(commit_lag_us(Some(2_000), 1_500), None, "a negative span is not a latency");
+    assert_eq!(commit_lag_us(None, 1_500), None);
+    assert_eq!(commit_lag_us(Some(i64::MIN), i64::MAX), None, "no overflow");
+}
+
 /// One flow's progress while a group of flows is applied, in either backend.
 pub(crate) struct FlowRun {
     pub(crate) flow_id: String,

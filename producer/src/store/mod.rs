@@ -64,8 +64,10 @@ pub struct OutboxRecord {
     pub attempts: u64,
     /// The last answer's word, e.g. `BACKLOG_FULL` (none before the first answer).
     pub last_outcome: Option<String>,
-    /// When its transaction stamped it (microseconds since the epoch): sent with the
-    /// envelope so the consumer can measure commit→applied. `None` until it is written.
+    /// When its transaction stamped it (microseconds since the epoch), as read from the
+    /// outbox: sent with the envelope so the consumer can measure commit→applied. `None` in
+    /// the copy [`decide`] builds for a new row (the stamp is taken when it is written), so
+    /// a `COMMITTED` answer carries none; nothing compares it.
     pub committed_at_us: Option<i64>,
 }
 
