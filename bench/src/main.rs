@@ -12,6 +12,7 @@ mod measure;
 mod measure_pg;
 mod pipeline;
 mod report;
+mod scrape;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -31,6 +32,9 @@ use crate::pipeline::{Caps, Databases, Launcher, Pipeline};
 /// same pipeline with every batch cap set to 1 and prints the ratio. --callgrind runs the
 /// main run only, each process under `valgrind --tool=callgrind`, and reports instructions
 /// per event per process and in total, with the batch sizes the writers had.
+/// --compare-metrics adds rounds of two runs of the same pipeline, one without metrics and
+/// one with `--metrics-listen` on all three processes, each scraped every second, and reports
+/// the end-to-end rate of each side and the difference in %.
 #[derive(Debug, Parser)]
 #[command(name = "bench", version)]
 struct Args {
@@ -55,6 +59,14 @@ struct Args {
     /// transaction) and report the ratio.
     #[arg(long)]
     compare_batch_1: bool,
+    /// Also run the pipeline with metrics on (`--metrics-listen` on all three processes, a
+    /// scraper polling each `/metrics` every second), alternating with runs with metrics off,
+    /// and report both end-to-end rates and the difference in %.
+    #[arg(long)]
+    compare_metrics: bool,
+    /// Rounds of --compare-metrics (each one run with metrics off, then one with them on).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=20))]
+    metrics_rounds: u32,
     /// Flows of the batch-1 run (default: --flows).
     #[arg(long)]
     batch_1_flows: Option<usize>,
@@ -94,7 +106,7 @@ struct Args {
     timeout_s: u64,
     /// Run producer, consumer and relay each under `valgrind --tool=callgrind` (one run, the
     /// main one) and report instructions per event: the figure to compare across commits.
-    #[arg(long, conflicts_with_all = ["half_rate", "compare_batch_1"])]
+    #[arg(long, conflicts_with_all = ["half_rate", "compare_batch_1", "compare_metrics"])]
     callgrind: bool,
     /// Where the services store: `sqlite` (fresh files per run) or `postgres` (a fresh
     /// database per run on the server --pg-url names, dropped after the run).
@@ -161,6 +173,7 @@ async fn bench(args: Args) -> anyhow::Result<ExitCode> {
         mark_delay_ms: args.mark_delay_ms,
         window: args.window,
         poll_ms: args.poll_ms,
+        metrics: false,
     };
     let main_load = match args.rate {
         Some(rate) => Load::Open { calls_per_s: rate },
@@ -190,6 +203,19 @@ async fn bench(args: Args) -> anyhow::Result<ExitCode> {
         };
         runs.push(run_one(&args, &base, &one).await?);
     }
+    if args.compare_metrics {
+        // After the main run (a warm-up for this comparison, not part of it), rounds of one
+        // run without metrics and one with, alternating, so a drift of the machine over the
+        // sitting (a warming disk, another tenant) falls on both sides.
+        for _ in 0..args.metrics_rounds {
+            let spec =
+                RunSpec { label: "metrics-off", flows: args.flows(), load: main_load, caps: caps.clone() };
+            runs.push(run_one(&args, &base, &spec).await?);
+            let on = Caps { metrics: true, ..caps.clone() };
+            let spec = RunSpec { label: "metrics-on", flows: args.flows(), load: main_load, caps: on };
+            runs.push(run_one(&args, &base, &spec).await?);
+        }
+    }
     let doc = report::document(started, &args_json(&args), runs);
     let table = if args.callgrind { callgrind::table(&doc) } else { report::table(&doc) };
     match args.output.as_deref() {
@@ -217,6 +243,8 @@ fn args_json(args: &Args) -> Value {
         "rate": args.rate,
         "half_rate": args.half_rate,
         "compare_batch_1": args.compare_batch_1,
+        "compare_metrics": args.compare_metrics,
+        "metrics_rounds": args.metrics_rounds,
         "batch_1_flows": args.batch_1_flows,
         "producer_max_batch": args.producer_max_batch,
         "consumer_max_batch": args.consumer_max_batch,
@@ -277,6 +305,11 @@ async fn run_one(args: &Args, base: &std::path::Path, spec: &RunSpec) -> anyhow:
             Some(tokio::task::spawn_blocking(move || measure_pg::server_cpu(&url, &name)).await??)
         }
     };
+    // Nothing else runs on this thread before the load starts: waiting here blocks nobody.
+    let scraper = match spec.caps.metrics {
+        true => Some(scrape::Scraper::start(pipeline.metrics_addrs(args.launcher().start_deadline())?)),
+        false => None,
+    };
     let bench_cpu_before = pipeline::proc_stats("self").cpu_seconds;
     let load = load::drive(&pipeline.producer.url(), "f", spec.flows, spec.load, args.connections).await?;
     anyhow::ensure!(
@@ -305,6 +338,10 @@ async fn run_one(args: &Args, base: &std::path::Path, spec: &RunSpec) -> anyhow:
             Some(measure_pg::server_cpu_between(&before, &after))
         }
         _ => None,
+    };
+    let scrapes = match scraper {
+        Some(scraper) => Some(scraper.stop().await),
+        None => None,
     };
     let stopped = tokio::task::spawn_blocking(move || pipeline.stop()).await?;
     let flows = spec.flows as u64;
@@ -345,6 +382,10 @@ async fn run_one(args: &Args, base: &std::path::Path, spec: &RunSpec) -> anyhow:
         run["callgrind"] = instructions;
     }
     run["config"]["backend"] = json!(args.backend);
+    run["config"]["metrics"] = json!(spec.caps.metrics);
+    if let Some(scrapes) = scrapes {
+        run["metrics_scrapes"] = scrapes;
+    }
     if let Some(cpu) = server_cpu_seconds {
         run["processes"]["postgres_server"] = json!({
             "cpu_seconds": (cpu * 1000.0).round() / 1000.0,

@@ -29,6 +29,8 @@ pub struct Caps {
     pub window: usize,
     /// `relay run --poll-ms`: pause when a pass found nothing to send.
     pub poll_ms: u64,
+    /// `--metrics-listen 127.0.0.1:0` on all three (and the run scrapes them every second).
+    pub metrics: bool,
 }
 
 impl Caps {
@@ -244,6 +246,7 @@ impl Pipeline {
     ) -> anyhow::Result<Pipeline> {
         let producer_db = databases.producer_arg();
         let consumer_db = databases.consumer_arg();
+        let metrics: &[&str] = if caps.metrics { &["--metrics-listen", "127.0.0.1:0"] } else { &[] };
         let start_server = |name: &str, args: &[String]| -> anyhow::Result<ServerProcess> {
             ServerProcess::try_start_command(
                 launcher.command(dir, name)?,
@@ -257,49 +260,88 @@ impl Pipeline {
         };
         let producer = start_server(
             "producer",
-            &strings(&[
-                "--db",
-                &producer_db,
-                "--listen",
-                "127.0.0.1:0",
-                "--max-batch",
-                &caps.producer_max_batch.to_string(),
-            ]),
+            &strings(
+                &[
+                    "--db",
+                    &producer_db,
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--max-batch",
+                    &caps.producer_max_batch.to_string(),
+                ]
+                .iter()
+                .chain(metrics)
+                .copied()
+                .collect::<Vec<_>>(),
+            ),
         )?;
         let consumer = start_server(
             "consumer",
-            &strings(&[
-                "--db",
-                &consumer_db,
-                "--listen",
-                "127.0.0.1:0",
-                "--auto-apply",
-                "--max-batch",
-                &caps.consumer_max_batch.to_string(),
-                "--apply-batch",
-                &caps.apply_batch.to_string(),
-            ]),
+            &strings(
+                &[
+                    "--db",
+                    &consumer_db,
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--auto-apply",
+                    "--max-batch",
+                    &caps.consumer_max_batch.to_string(),
+                    "--apply-batch",
+                    &caps.apply_batch.to_string(),
+                ]
+                .iter()
+                .chain(metrics)
+                .copied()
+                .collect::<Vec<_>>(),
+            ),
         )?;
+        let (poll_ms, window, mark_batch, mark_delay_ms) = (
+            caps.poll_ms.to_string(),
+            caps.window.to_string(),
+            caps.mark_batch.to_string(),
+            caps.mark_delay_ms.to_string(),
+        );
+        let mut relay_args = vec![
+            "run",
+            "--poll-ms",
+            &poll_ms,
+            "--window",
+            &window,
+            "--mark-batch",
+            &mark_batch,
+            "--mark-delay-ms",
+            &mark_delay_ms,
+        ];
+        relay_args.extend(metrics);
         let relay = RelayDaemon::start_command(
             launcher.command(dir, "relay")?,
             dir,
             "relay",
             &databases.producer_target(),
             &consumer.url(),
-            &[
-                "run",
-                "--poll-ms",
-                &caps.poll_ms.to_string(),
-                "--window",
-                &caps.window.to_string(),
-                "--mark-batch",
-                &caps.mark_batch.to_string(),
-                "--mark-delay-ms",
-                &caps.mark_delay_ms.to_string(),
-            ],
+            &relay_args,
             launcher.relay_env(),
         );
         Ok(Pipeline { producer, consumer, relay, stop_deadline: launcher.stop_deadline() })
+    }
+
+    /// The three processes' metrics addresses (from their `metrics serving` log lines),
+    /// once all have logged one, or why not within `deadline`.
+    pub fn metrics_addrs(&self, deadline: Duration) -> anyhow::Result<Vec<String>> {
+        let until = std::time::Instant::now() + deadline;
+        loop {
+            let logs = [self.producer.log_text(), self.consumer.log_text(), self.relay.log_text()];
+            let addrs: Vec<String> = logs.iter().filter_map(|l| harness::scrape::metrics_addr(l)).collect();
+            if addrs.len() == logs.len() {
+                return Ok(addrs);
+            }
+            anyhow::ensure!(
+                std::time::Instant::now() < until,
+                "only {} of the 3 processes logged a metrics address",
+                addrs.len()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// Reads every process's `/proc` figures, then stops them all (SIGTERM, relay first).

@@ -210,6 +210,7 @@ pub fn document(machine: Value, args: &Value, runs: Vec<Value>) -> Value {
         find("grouped-half-rate").and_then(|r| r["latency_commit_to_applied_ms"]["p99_ms"].as_f64());
     let consumer_rss = grouped.and_then(|g| g["processes"]["consumer"]["peak_rss_mib"].as_f64());
     let grouped_e2e = e2e(grouped).unwrap_or(0.0);
+    let metrics_cost = metrics_cost(&runs);
     json!({
         "benchmark": "ordered-events throughput (bench)",
         "machine": machine,
@@ -220,6 +221,7 @@ pub fn document(machine: Value, args: &Value, runs: Vec<Value>) -> Value {
             "batch_1_end_to_end_per_s": e2e(find("batch-1")),
             "ratio": ratio,
         },
+        "metrics_cost": metrics_cost,
         "targets": {
             "end_to_end_ge_25000_with_ge_10000_flows_from_64_clients": closed_64 && flows >= 10_000 && grouped_e2e >= 25_000.0,
             "p99_commit_to_applied_le_50ms_at_half_rate": half_p99.map(|p| p <= 50.0),
@@ -227,6 +229,40 @@ pub fn document(machine: Value, args: &Value, runs: Vec<Value>) -> Value {
             "floor_end_to_end_ge_10000": grouped_e2e >= 10_000.0,
             "floor_ratio_ge_10": ratio.map(|r| r >= 10.0),
         },
+    })
+}
+
+/// Metrics off against on, from the runs of one sitting: the `metrics-off` runs against the
+/// `metrics-on` runs (end-to-end events/s, each side's mean, the difference of the means in %
+/// of off, and the median of the rounds' own differences); null without such runs.
+fn metrics_cost(runs: &[Value]) -> Value {
+    let rates = |labels: &[&str]| -> Vec<f64> {
+        runs.iter()
+            .filter(|r| labels.iter().any(|l| r["label"] == *l))
+            .filter_map(|r| r["end_to_end"]["events_per_s"].as_f64())
+            .collect()
+    };
+    let (off, on) = (rates(&["metrics-off"]), rates(&["metrics-on"]));
+    if on.is_empty() || off.is_empty() {
+        return Value::Null;
+    }
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    let (off_mean, on_mean) = (mean(&off), mean(&on));
+    let pct = if off_mean > 0.0 { Some(round((on_mean - off_mean) / off_mean * 100.0)) } else { None };
+    let mut rounds: Vec<f64> =
+        off.iter().zip(&on).filter(|(f, _)| **f > 0.0).map(|(f, n)| (n - f) / f * 100.0).collect();
+    rounds.sort_by(f64::total_cmp);
+    let median_round = rounds.get(rounds.len() / 2).map(|m| round(*m));
+    json!({
+        "off_per_s": off.iter().map(|r| r.round()).collect::<Vec<_>>(),
+        "on_per_s": on.iter().map(|r| r.round()).collect::<Vec<_>>(),
+        "off_mean_per_s": off_mean.round(),
+        "on_mean_per_s": on_mean.round(),
+        "difference_pct": pct,
+        "rounds_difference_pct": rounds.iter().map(|r| round(*r)).collect::<Vec<_>>(),
+        "median_round_difference_pct": median_round,
+        "within_3_pct": pct.map(|p| p >= -3.0),
+        "how": "rounds of one run off then one on, in one sitting after a warm-up run; on = --metrics-listen on producer, consumer and relay, each /metrics scraped every second",
     })
 }
 
@@ -343,6 +379,19 @@ pub fn table(doc: &Value) -> String {
     }
     if let Some(ratio) = doc["comparison"]["ratio"].as_f64() {
         let _ = writeln!(out, "end to end, grouped / batch-1: {ratio:.1}×");
+    }
+    let cost = &doc["metrics_cost"];
+    if let Some(pct) = cost["difference_pct"].as_f64() {
+        let _ = writeln!(
+            out,
+            "metrics: off {:.0} events/s (mean of {} runs {}), on {:.0} events/s (mean of {} runs {}): {pct:+.1} % (target within 3 %)",
+            cost["off_mean_per_s"].as_f64().unwrap_or(0.0),
+            cost["off_per_s"].as_array().map_or(0, Vec::len),
+            cost["off_per_s"],
+            cost["on_mean_per_s"].as_f64().unwrap_or(0.0),
+            cost["on_per_s"].as_array().map_or(0, Vec::len),
+            cost["on_per_s"],
+        );
     }
     let _ = writeln!(out, "targets: {}", doc["targets"]);
     out

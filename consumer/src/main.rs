@@ -99,10 +99,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
         auto_apply: args.auto_apply,
     })
     .await?;
-    let exposition = consumer::metrics::exposition(
-        service.store().unapplied_reader(),
-        (args.max_pending > 0).then_some(args.max_pending),
-    );
+    let exposition =
+        consumer::metrics::exposition(service.store(), (args.max_pending > 0).then_some(args.max_pending));
     let settings = args.server.serve.load()?;
     runtime::metrics::serve_if_asked(&args.metrics, exposition).await?;
     runtime::run_server("consumer", args.listen, |listener, shutdown| {

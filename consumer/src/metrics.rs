@@ -1,13 +1,17 @@
-//! The consumer's Prometheus metrics: `Receive` answers by outcome and `Apply` stops by why
-//! (bumped where they are decided: one atomic add each), and, per scrape, the inbox backlog
-//! read from the store's trigger-kept `backlog.unapplied` counter through a connection of
-//! the scrape's own (never a `COUNT(*)`, never the writer's lock).
+//! The consumer's Prometheus metrics: `Receive` answers by outcome, `Apply` stops by why and
+//! the commit→applied latency of each applied event (bumped where they are decided or
+//! committed: a few atomic adds each), and, per scrape, the inbox backlog read from the
+//! store's counters (`backlog.unapplied` and the blocked rows by reason, kept exact in the
+//! same transactions as the rows) plus a walk of at most
+//! [`WAITING_WALK_LIMIT`](crate::store::WAITING_WALK_LIMIT) waiting flows that tells a gap
+//! from a ready flow, through a connection of the scrape's own (never a full `COUNT(*)`,
+//! never the writer's lock).
 
 use std::sync::Arc;
 
-use runtime::metrics::{Counters, Expose, Exposition, GaugeSample};
+use runtime::metrics::{Counters, Expose, Exposition, GaugeSample, Histogram};
 
-use crate::store::UnappliedReader;
+use crate::store::{BLOCK_REASONS, ConsumerStore};
 
 use crate::apply::Stop;
 use crate::rules::BlockReason;
@@ -58,19 +62,59 @@ pub fn count_stop(stop: Option<&Stop>) {
     APPLY_STOPS.inc(index);
 }
 
-static FAMILIES: [&dyn Expose; 3] = [&RECEIVE_OUTCOMES, &APPLY_STOPS, &runtime::batches::FAMILIES];
+/// From the producer's commit of an event (the committed time its envelope carried) to the
+/// consumer's apply of it, recorded when the apply commits. Events whose envelope carried no
+/// committed time, and spans the two hosts' clocks make negative, are not recorded.
+pub static COMMIT_TO_APPLIED: Histogram = Histogram::seconds(
+    "ordered_events_consumer_commit_to_applied_seconds",
+    "From the producer's commit of an event (outbox committed time) to its apply on the consumer.",
+    None,
+);
 
-/// What `/metrics` serves for a consumer whose backlog counter `unapplied` reads (from the
-/// store's `unapplied_reader`) and whose backlog cap is `cap` (`None`: none).
-pub fn exposition(unapplied: UnappliedReader, cap: Option<u64>) -> Exposition {
+static FAMILIES: [&dyn Expose; 4] =
+    [&RECEIVE_OUTCOMES, &APPLY_STOPS, &COMMIT_TO_APPLIED, &runtime::batches::FAMILIES];
+
+/// What `/metrics` serves for a consumer on `store` whose backlog cap is `cap` (`None`: none).
+pub fn exposition(store: &ConsumerStore, cap: Option<u64>) -> Exposition {
+    let counts = store.backlog_reader();
+    let pool = store.clone();
     let read = move || -> Result<Vec<GaugeSample>, String> {
-        let unapplied = unapplied()?;
+        // The pool first: the scrape's own connection is not yet taken.
+        let pool = pool.pool_status();
+        let counts = counts()?;
+        let unapplied = counts.unapplied;
         let mut gauges = vec![GaugeSample {
             name: "ordered_events_consumer_inbox_unapplied",
             help: "Inbox rows stored and not yet applied (pending and blocked).",
             labels: Vec::new(),
             value: unapplied as f64,
         }];
+        let waiting = "ordered_events_consumer_flows_waiting";
+        let waiting_help = "Flows with unapplied rows by why they wait: blocked_* (exact, the stored reason), \
+             gap and ready (from a walk of at most 10000 waiting flows, see _walk_truncated).";
+        for (state, value) in [("gap", counts.gap), ("ready", counts.ready)] {
+            gauges.push(GaugeSample {
+                name: waiting,
+                help: waiting_help,
+                labels: vec![("state", state)],
+                value: value as f64,
+            });
+        }
+        for (reason, value) in BLOCK_REASONS.iter().zip(counts.blocked) {
+            gauges.push(GaugeSample {
+                name: waiting,
+                help: waiting_help,
+                labels: vec![("state", blocked_label(*reason))],
+                value: value as f64,
+            });
+        }
+        gauges.push(GaugeSample {
+            name: "ordered_events_consumer_flows_waiting_walk_truncated",
+            help: "1 when the scrape's walk of waiting flows stopped at 10000 flows while more wait \
+                   (gap and ready then count only the first 10000 in flow_id order).",
+            labels: Vec::new(),
+            value: if counts.truncated { 1.0 } else { 0.0 },
+        });
         if let Some(cap) = cap {
             gauges.push(GaugeSample {
                 name: "ordered_events_consumer_backlog_cap",
@@ -85,7 +129,19 @@ pub fn exposition(unapplied: UnappliedReader, cap: Option<u64>) -> Exposition {
                 value: unapplied as f64 / cap.max(1) as f64,
             });
         }
+        if let Some(pool) = pool {
+            gauges.extend(pool.gauges("consumer"));
+        }
         Ok(gauges)
     };
     Exposition::new(&FAMILIES, Some(Arc::new(read)))
+}
+
+/// The `state` label of flows blocked for `reason` (the apply stop's label too).
+fn blocked_label(reason: BlockReason) -> &'static str {
+    match reason {
+        BlockReason::UnsupportedSchema => "blocked_unsupported_schema",
+        BlockReason::InvalidPayload => "blocked_invalid_payload",
+        BlockReason::InvalidTransition => "blocked_invalid_transition",
+    }
 }

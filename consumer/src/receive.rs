@@ -45,6 +45,8 @@ impl StreamState {
 pub struct ReceiveJob {
     /// The envelope's event.
     pub event: Event,
+    /// When the producer committed it, if the envelope said.
+    pub committed_at_us: Option<i64>,
     /// The stream it came on (the writer skips envelopes of a failed stream).
     pub stream: Arc<StreamState>,
     /// Gets the decision after the commit that holds it (or the failure).
@@ -113,7 +115,11 @@ async fn write_batch(store: &ConsumerStore, jobs: Vec<ReceiveJob>, opts: WriterO
     let mut incoming = Vec::with_capacity(batch_len);
     for job in jobs {
         replies.push(job.reply);
-        incoming.push(Incoming { event: job.event, stream: job.stream });
+        incoming.push(Incoming {
+            event: job.event,
+            committed_at_us: job.committed_at_us,
+            stream: job.stream,
+        });
     }
     let incoming = Arc::new(incoming);
     let ctx = ReceiveContext { crash: opts.apply.crash, admission: opts.admission, storage: opts.storage() };

@@ -220,7 +220,12 @@ impl ConsumerService {
                         seq: event.seq,
                     };
                     let (reply, answer) = oneshot::channel();
-                    let job = ReceiveJob { event, stream: Arc::clone(&stream), reply };
+                    let job = ReceiveJob {
+                        event,
+                        committed_at_us: envelope.committed_at_us,
+                        stream: Arc::clone(&stream),
+                        reply,
+                    };
                     if self.writer.send(job).await.is_err() {
                         Pending::Ready(Err(Status::unavailable(
                             "receive: the writer thread stopped (shutting down?)",

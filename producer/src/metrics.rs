@@ -33,9 +33,19 @@ pub fn exposition(store: &ProducerStore, cap: Option<u64>) -> Exposition {
     Exposition::new(&FAMILIES, Some(outbox_gauges(store, cap)))
 }
 
-/// Reads the outbox gauges of `store` per scrape.
+/// Reads the outbox gauges of `store` per scrape, and its pool's on PostgreSQL.
 pub fn outbox_gauges(store: &ProducerStore, cap: Option<u64>) -> runtime::metrics::GaugeReader {
-    store.backlog_gauges(move |backlog| backlog_gauges(backlog, cap))
+    let backlog = store.backlog_gauges(move |backlog| backlog_gauges(backlog, cap));
+    let pool = store.clone();
+    std::sync::Arc::new(move || {
+        // The pool first: the scrape's own connection is not yet taken.
+        let pool = pool.pool_status();
+        let mut gauges = backlog()?;
+        if let Some(pool) = pool {
+            gauges.extend(pool.gauges("producer"));
+        }
+        Ok(gauges)
+    })
 }
 
 fn backlog_gauges(backlog: Backlog, cap: Option<u64>) -> Vec<GaugeSample> {

@@ -74,6 +74,7 @@ impl Event {
             kind: self.kind.clone(),
             schema: self.schema,
             payload_json: canonical_payload(&self.payload),
+            committed_at_us: None,
         }
     }
 

@@ -311,6 +311,7 @@ mod tests {
             kind: "reserved".into(),
             schema: 1,
             payload_json: payload_json.into(),
+            committed_at_us: None,
         }
     }
 

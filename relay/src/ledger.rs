@@ -12,6 +12,9 @@ use runtime::OpenError;
 
 pub use producer::store::Recorded;
 
+/// The store the relay opened, for the metrics scrape's pool gauges.
+pub(crate) static LEDGER_STORE: std::sync::OnceLock<ProducerStore> = std::sync::OnceLock::new();
+
 /// The relay's handle on the producer database.
 #[derive(Clone)]
 pub struct Ledger {
@@ -26,6 +29,8 @@ impl Ledger {
     /// the producer has not created is refused in one line).
     pub async fn open(target: &DbTarget, crash: CrashSwitch) -> Result<Ledger, OpenError> {
         let store = ProducerStore::open(target, Role::Relay, crash).await?;
+        // The metrics scrape reads the pool's state (the first ledger's: a relay opens one).
+        let _ = LEDGER_STORE.set(store.clone());
         Ok(Ledger { store, consumer_db: Arc::new(Mutex::new(None)) })
     }
 

@@ -131,10 +131,15 @@ pub struct Config {
     pub crash: CrashSwitch,
 }
 
-/// What the relay's `/metrics` serves: deliveries by answer and its mark transactions.
+/// What the relay's `/metrics` serves: deliveries by answer, its mark transactions and, on
+/// PostgreSQL, its pool's connections (once the producer database is open).
 pub fn metrics_exposition() -> runtime::metrics::Exposition {
     static FAMILIES: [&dyn runtime::metrics::Expose; 2] = [&output::DELIVERIES, &runtime::batches::FAMILIES];
-    runtime::metrics::Exposition::new(&FAMILIES, None)
+    let pool = || -> Result<Vec<runtime::metrics::GaugeSample>, String> {
+        let status = ledger::LEDGER_STORE.get().and_then(|store| store.pool_status());
+        Ok(status.map(|s| s.gauges("relay")).unwrap_or_default())
+    };
+    runtime::metrics::Exposition::new(&FAMILIES, Some(std::sync::Arc::new(pool)))
 }
 
 /// Runs the relay in `config.mode` and returns its exit code (see [`decision::exit_code`]);

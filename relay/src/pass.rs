@@ -151,7 +151,11 @@ pub async fn pass(
                 continue;
             }
             let envelope = match Event::from_canonical_body(&row.body) {
-                Ok(event) => event.to_envelope(),
+                // The committed time rides beside the event (never in its body), so the
+                // consumer can measure commit→applied.
+                Ok(event) => {
+                    pb::EventEnvelope { committed_at_us: row.committed_at_us, ..event.to_envelope() }
+                }
                 Err(e) => {
                     // Only a hand-edited file gets here; never send what we cannot read.
                     tracing::error!(event_id = %row.event_id, error = %e, "unreadable outbox body; flow skipped");

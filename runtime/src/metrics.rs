@@ -258,6 +258,56 @@ pub struct GaugeSample {
     pub value: f64,
 }
 
+/// A connection pool's state at scrape time (deadpool's `Status`, without the dependency).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolStatus {
+    /// Connections the pool may open.
+    pub max: usize,
+    /// Connections open now.
+    pub size: usize,
+    /// Open connections idle in the pool.
+    pub available: usize,
+    /// Callers waiting for a connection.
+    pub waiting: usize,
+}
+
+impl PoolStatus {
+    /// The gauges of pool `pool` (a fixed name: `producer`, `consumer`, `relay`):
+    /// `ordered_events_pg_pool_connections{pool,state="in_use"|"idle"}`,
+    /// `…_max_connections{pool}` and `…_waiting{pool}`.
+    pub fn gauges(self, pool: &'static str) -> Vec<GaugeSample> {
+        let in_use = self.size.saturating_sub(self.available);
+        let connections = "ordered_events_pg_pool_connections";
+        let connections_help = "PostgreSQL pool connections open, in use by a caller or idle.";
+        vec![
+            GaugeSample {
+                name: connections,
+                help: connections_help,
+                labels: vec![("pool", pool), ("state", "in_use")],
+                value: in_use as f64,
+            },
+            GaugeSample {
+                name: connections,
+                help: connections_help,
+                labels: vec![("pool", pool), ("state", "idle")],
+                value: self.available as f64,
+            },
+            GaugeSample {
+                name: "ordered_events_pg_pool_max_connections",
+                help: "The most connections the PostgreSQL pool opens.",
+                labels: vec![("pool", pool)],
+                value: self.max as f64,
+            },
+            GaugeSample {
+                name: "ordered_events_pg_pool_waiting",
+                help: "Callers waiting for a PostgreSQL pool connection.",
+                labels: vec![("pool", pool)],
+                value: self.waiting as f64,
+            },
+        ]
+    }
+}
+
 /// Reads the gauges at scrape time. It runs on a blocking thread (it may read SQLite);
 /// an error is logged and the gauges are left out of that scrape, the counters still served.
 pub type GaugeReader = Arc<dyn Fn() -> Result<Vec<GaugeSample>, String> + Send + Sync>;

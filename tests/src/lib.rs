@@ -52,5 +52,6 @@ pub fn envelope(flow: &str, seq: u64, kind: &str, schema: u32, payload_json: &st
         kind: kind.into(),
         schema,
         payload_json: payload_json.into(),
+        committed_at_us: None,
     }
 }

@@ -156,6 +156,9 @@ pub struct InboxRecord {
     pub state: InboxState,
     /// Why it is blocked (only while blocked).
     pub reason: Option<BlockReason>,
+    /// When the producer committed it (microseconds since the epoch), as its envelope said;
+    /// `None` when the sender did not say. Kept beside the body, never part of it.
+    pub committed_at_us: Option<i64>,
 }
 
 /// An inbox row as read, before its stored words are checked.
@@ -168,12 +171,13 @@ pub(crate) struct RawInbox {
     pub body: String,
     pub state: String,
     pub reason: Option<String>,
+    pub committed_at_us: Option<i64>,
 }
 
 impl RawInbox {
     /// The row, or `Inconsistent` when a stored word is not one this store writes.
     pub(crate) fn check(self) -> Result<InboxRecord> {
-        let RawInbox { event_id, flow_id, seq, kind, schema, body, state, reason } = self;
+        let RawInbox { event_id, flow_id, seq, kind, schema, body, state, reason, committed_at_us } = self;
         let state = InboxState::parse(&state)
             .ok_or_else(|| StoreError::Inconsistent(format!("inbox {event_id}: unknown state {state:?}")))?;
         let reason = match reason {
@@ -182,7 +186,7 @@ impl RawInbox {
                 StoreError::Inconsistent(format!("inbox {event_id}: unknown reason {r:?}"))
             })?),
         };
-        Ok(InboxRecord { event_id, flow_id, seq, kind, schema, body, state, reason })
+        Ok(InboxRecord { event_id, flow_id, seq, kind, schema, body, state, reason, committed_at_us })
     }
 }
 
@@ -317,6 +321,9 @@ pub struct FlowView {
 pub struct Incoming {
     /// The envelope's event (it passed the transport limits).
     pub event: Event,
+    /// When the producer committed it, if the envelope said (stored beside the row when it
+    /// is accepted; never compared).
+    pub committed_at_us: Option<i64>,
     /// Its stream.
     pub stream: Arc<StreamState>,
 }
@@ -463,19 +470,90 @@ impl ConsumerStore {
         }
     }
 
-    /// A reader of the unapplied counter for the metrics scrape, which runs on a blocking
-    /// thread: on SQLite a read-only connection of its own (never the writer's lock), on
-    /// PostgreSQL a pooled connection.
-    pub fn unapplied_reader(&self) -> UnappliedReader {
+    /// The backlog's counters and a bounded walk of the waiting flows, as the metrics
+    /// scrape reads them (see [`BacklogReader`]).
+    pub async fn backlog_counts(&self) -> Result<BacklogCounts> {
         match self {
-            ConsumerStore::Sqlite(s) => s.unapplied_reader(),
-            ConsumerStore::Postgres(p) => p.unapplied_reader(),
+            ConsumerStore::Sqlite(s) => s.backlog_counts().await,
+            ConsumerStore::Postgres(p) => p.backlog_counts().await,
+        }
+    }
+
+    /// A reader of the backlog counters and the bounded walk for the metrics scrape, which
+    /// runs on a blocking thread: on SQLite a read-only connection of its own (never the
+    /// writer's lock), on PostgreSQL a pooled connection.
+    pub fn backlog_reader(&self) -> BacklogReader {
+        match self {
+            ConsumerStore::Sqlite(s) => s.backlog_reader(),
+            ConsumerStore::Postgres(p) => p.backlog_reader(),
+        }
+    }
+
+    /// The connection pool's state (PostgreSQL only).
+    pub fn pool_status(&self) -> Option<runtime::metrics::PoolStatus> {
+        match self {
+            ConsumerStore::Sqlite(_) => None,
+            ConsumerStore::Postgres(p) => Some(p.pool_status()),
         }
     }
 }
 
-/// Reads the unapplied counter from a blocking thread.
-pub type UnappliedReader = Arc<dyn Fn() -> std::result::Result<u64, String> + Send + Sync>;
+/// How many waiting flows the scrape's walk looks at, at most.
+pub const WAITING_WALK_LIMIT: usize = 10_000;
+
+/// What the metrics scrape reads about the backlog: counters kept exact in the same
+/// transactions as the rows, and a walk of at most [`WAITING_WALK_LIMIT`] waiting flows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BacklogCounts {
+    /// Unapplied (pending + blocked) rows (exact).
+    pub unapplied: u64,
+    /// Blocked rows by reason, in [`BLOCK_REASONS`] order (exact). A blocked row is always
+    /// its flow's next seq, so this is also the number of flows blocked for each reason.
+    pub blocked: [u64; 3],
+    /// Waiting flows whose next seq is missing while a later one is stored, among the walked.
+    pub gap: u64,
+    /// Waiting flows whose next seq is stored and pending (an Apply would move them), among
+    /// the walked.
+    pub ready: u64,
+    /// Flows the walk looked at.
+    pub walked: u64,
+    /// The walk stopped at [`WAITING_WALK_LIMIT`] while more flows wait (gap and ready then
+    /// count only the first flows in flow_id order).
+    pub truncated: bool,
+}
+
+/// The block reasons in the order [`BacklogCounts::blocked`] keeps them.
+pub const BLOCK_REASONS: [BlockReason; 3] =
+    [BlockReason::UnsupportedSchema, BlockReason::InvalidPayload, BlockReason::InvalidTransition];
+
+/// The index of `reason` in [`BLOCK_REASONS`].
+pub(crate) fn reason_index(reason: BlockReason) -> usize {
+    match reason {
+        BlockReason::UnsupportedSchema => 0,
+        BlockReason::InvalidPayload => 1,
+        BlockReason::InvalidTransition => 2,
+    }
+}
+
+/// Reads the backlog counts from a blocking thread.
+pub type BacklogReader = Arc<dyn Fn() -> std::result::Result<BacklogCounts, String> + Send + Sync>;
+
+/// The applied-at minus committed-at of one applied row, in microseconds, when the row
+/// knows its committed time and the clocks agree on the order (a negative span, from clocks
+/// that disagree, is not a latency and is not recorded).
+pub(crate) fn commit_lag_us(committed_at_us: Option<i64>, applied_at_us: i64) -> Option<u64> {
+    committed_at_us.and_then(|c| u64::try_from(applied_at_us.checked_sub(c)?).ok())
+}
+
+#[cfg(test)]
+#[test]
+fn a_commit_lag_needs_a_stamp_and_clocks_in_order() {
+    assert_eq!(commit_lag_us(Some(1_000), 1_500), Some(500));
+    assert_eq!(commit_lag_us(Some(1_500), 1_500), Some(0));
+    assert_eq!(commit_lag_us(Some(2_000), 1_500), None, "a negative span is not a latency");
+    assert_eq!(commit_lag_us(None, 1_500), None);
+    assert_eq!(commit_lag_us(Some(i64::MIN), i64::MAX), None, "no overflow");
+}
 
 /// One flow's progress while a group of flows is applied, in either backend.
 pub(crate) struct FlowRun {
@@ -484,6 +562,9 @@ pub(crate) struct FlowRun {
     pub(crate) committed: Vec<String>,
     /// Applied inside the open transaction.
     pub(crate) pending: Vec<String>,
+    /// The commit→applied latencies (µs) of the pending steps that know it, recorded once
+    /// their transaction commits.
+    pub(crate) pending_lags: Vec<u64>,
     /// Wrote anything (a step or a blocked mark) inside the open transaction.
     pub(crate) wrote: bool,
     pub(crate) end: Option<std::result::Result<(crate::apply::Stop, Projection), StoreError>>,
@@ -498,10 +579,23 @@ impl FlowRun {
                 flow_id,
                 committed: Vec::new(),
                 pending: Vec::new(),
+                pending_lags: Vec::new(),
                 wrote: false,
                 end: None,
             })
             .collect()
+    }
+
+    /// One step applied inside the open transaction, with its commit→applied latency if known.
+    pub(crate) fn applied(&mut self, event_id: String, lag_us: Option<u64>) {
+        self.pending.push(event_id);
+        self.pending_lags.extend(lag_us);
+    }
+
+    /// Forgets the steps of a transaction that did not commit.
+    pub(crate) fn forget_pending(&mut self) {
+        self.pending.clear();
+        self.pending_lags.clear();
     }
 }
 
@@ -533,6 +627,9 @@ pub(crate) fn settle(
             for run in runs.iter_mut() {
                 let pending = std::mem::take(&mut run.pending);
                 run.committed.extend(pending);
+                for lag in run.pending_lags.drain(..) {
+                    crate::metrics::COMMIT_TO_APPLIED.observe(lag);
+                }
                 run.wrote = false;
             }
             if applied_any {
@@ -541,7 +638,7 @@ pub(crate) fn settle(
         }
         Err(e) => {
             for run in runs.iter_mut().filter(|r| r.wrote) {
-                run.pending.clear();
+                run.forget_pending();
                 run.wrote = false;
                 run.end = Some(Err(e.clone()));
             }

@@ -18,9 +18,9 @@ use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
 use super::{
-    Admission, Backlog, BatchAnswer, EffectRecord, FlowRun, FlowView, Identity, InboxRecord, InboxState,
-    Incoming, Next, RawInbox, ReceiveContext, ReceiveOutcome, Received, Result, StepOutcome, StoreError,
-    UnappliedReader, checked_projection, reports, settle,
+    Admission, Backlog, BacklogCounts, BacklogReader, BatchAnswer, EffectRecord, FlowRun, FlowView, Identity,
+    InboxRecord, InboxState, Incoming, Next, RawInbox, ReceiveContext, ReceiveOutcome, Received, Result,
+    StepOutcome, StoreError, WAITING_WALK_LIMIT, checked_projection, commit_lag_us, reports, settle,
 };
 use crate::apply::{ApplyOptions, FlowResult, Stop};
 use crate::rules::{BlockReason, Decision, Projection, decide_next};
@@ -29,7 +29,7 @@ use crate::storage::StorageWatch;
 /// The columns `raw_inbox` reads, as a macro so the statements are literals.
 macro_rules! inbox_columns {
     () => {
-        "i.event_id, i.flow_id, i.seq, i.kind, i.schema, i.body, i.state, i.reason"
+        "i.event_id, i.flow_id, i.seq, i.kind, i.schema, i.body, i.state, i.reason, i.committed_at_us"
     };
 }
 
@@ -37,9 +37,9 @@ macro_rules! inbox_columns {
 pub const KIND: PgKind = PgKind {
     name: "consumer",
     schema: "ordered_events_consumer",
-    version: 2,
+    version: 3,
     ddl: DDL,
-    upgrades: &[UPGRADE_TO_2],
+    upgrades: &[UPGRADE_TO_2, UPGRADE_TO_3],
 };
 
 /// Connections in the pool: the Receive writer, the appliers (Apply, auto-apply), readers
@@ -110,12 +110,98 @@ const UPGRADE_TO_2: &str = concat!(
     backlog_triggers!()
 );
 
-/// The schema (version 2). Ids compare bytewise (`COLLATE "C"`), as SQLite and the producer
-/// schema compare them, so flows page and list in the same order whatever the locale. Trigger
-/// functions name their table with the schema, so a session with another `search_path` (psql)
-/// keeps the counter exact too.
-const DDL: &str = concat!(
-    r#"
+/// Version 2 to 3: `inbox.committed_at_us`, the producer's committed time as the envelope
+/// carried it (NULL when it did not: older relays, grpcurl), kept beside the body and never
+/// compared, so `Apply` can measure commit→applied; and `backlog` counts the blocked rows by
+/// reason, kept exact by the same statement-level triggers as `unapplied` (one UPDATE of the
+/// counter row per statement, as before). The counts start from the rows already blocked.
+macro_rules! upgrade_to_3 {
+    () => {
+        r#"
+ALTER TABLE inbox ADD COLUMN committed_at_us BIGINT;
+ALTER TABLE backlog
+    ADD COLUMN blocked_unsupported_schema BIGINT NOT NULL DEFAULT 0 CHECK(blocked_unsupported_schema >= 0),
+    ADD COLUMN blocked_invalid_payload BIGINT NOT NULL DEFAULT 0 CHECK(blocked_invalid_payload >= 0),
+    ADD COLUMN blocked_invalid_transition BIGINT NOT NULL DEFAULT 0 CHECK(blocked_invalid_transition >= 0);
+UPDATE backlog SET
+    blocked_unsupported_schema =
+        (SELECT count(*) FROM inbox WHERE state <> 'applied' AND reason = 'unsupported_schema'),
+    blocked_invalid_payload =
+        (SELECT count(*) FROM inbox WHERE state <> 'applied' AND reason = 'invalid_payload'),
+    blocked_invalid_transition =
+        (SELECT count(*) FROM inbox WHERE state <> 'applied' AND reason = 'invalid_transition')
+WHERE id = 1;
+CREATE OR REPLACE FUNCTION backlog_inserted() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE n BIGINT; s BIGINT; p BIGINT; t BIGINT;
+BEGIN
+    SELECT count(*) FILTER (WHERE state <> 'applied'),
+           count(*) FILTER (WHERE reason = 'unsupported_schema'),
+           count(*) FILTER (WHERE reason = 'invalid_payload'),
+           count(*) FILTER (WHERE reason = 'invalid_transition')
+      INTO n, s, p, t FROM added;
+    IF n <> 0 OR s <> 0 OR p <> 0 OR t <> 0 THEN
+        UPDATE ordered_events_consumer.backlog SET unapplied = unapplied + n,
+            blocked_unsupported_schema = blocked_unsupported_schema + s,
+            blocked_invalid_payload = blocked_invalid_payload + p,
+            blocked_invalid_transition = blocked_invalid_transition + t
+        WHERE id = 1;
+    END IF;
+    RETURN NULL;
+END $$;
+CREATE OR REPLACE FUNCTION backlog_updated() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE n BIGINT; s BIGINT; p BIGINT; t BIGINT;
+BEGIN
+    SELECT count(*) FILTER (WHERE state <> 'applied'),
+           count(*) FILTER (WHERE reason = 'unsupported_schema'),
+           count(*) FILTER (WHERE reason = 'invalid_payload'),
+           count(*) FILTER (WHERE reason = 'invalid_transition')
+      INTO n, s, p, t FROM after_rows;
+    SELECT n - count(*) FILTER (WHERE state <> 'applied'),
+           s - count(*) FILTER (WHERE reason = 'unsupported_schema'),
+           p - count(*) FILTER (WHERE reason = 'invalid_payload'),
+           t - count(*) FILTER (WHERE reason = 'invalid_transition')
+      INTO n, s, p, t FROM before_rows;
+    IF n <> 0 OR s <> 0 OR p <> 0 OR t <> 0 THEN
+        UPDATE ordered_events_consumer.backlog SET unapplied = unapplied + n,
+            blocked_unsupported_schema = blocked_unsupported_schema + s,
+            blocked_invalid_payload = blocked_invalid_payload + p,
+            blocked_invalid_transition = blocked_invalid_transition + t
+        WHERE id = 1;
+    END IF;
+    RETURN NULL;
+END $$;
+CREATE OR REPLACE FUNCTION backlog_deleted() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE n BIGINT; s BIGINT; p BIGINT; t BIGINT;
+BEGIN
+    SELECT count(*) FILTER (WHERE state <> 'applied'),
+           count(*) FILTER (WHERE reason = 'unsupported_schema'),
+           count(*) FILTER (WHERE reason = 'invalid_payload'),
+           count(*) FILTER (WHERE reason = 'invalid_transition')
+      INTO n, s, p, t FROM removed;
+    IF n <> 0 OR s <> 0 OR p <> 0 OR t <> 0 THEN
+        UPDATE ordered_events_consumer.backlog SET unapplied = unapplied - n,
+            blocked_unsupported_schema = blocked_unsupported_schema - s,
+            blocked_invalid_payload = blocked_invalid_payload - p,
+            blocked_invalid_transition = blocked_invalid_transition - t
+        WHERE id = 1;
+    END IF;
+    RETURN NULL;
+END $$;
+"#
+    };
+}
+
+/// Version 2 to 3 (see [`upgrade_to_3`]).
+const UPGRADE_TO_3: &str = upgrade_to_3!();
+
+/// The schema at version 2 (kept whole: version 3's is this plus [`UPGRADE_TO_3`]). Ids
+/// compare bytewise (`COLLATE "C"`), as SQLite and the producer schema compare them, so flows
+/// page and list in the same order whatever the locale. Trigger functions name their table
+/// with the schema, so a session with another `search_path` (psql) keeps the counter exact too.
+macro_rules! ddl_v2 {
+    () => {
+        concat!(
+            r#"
 CREATE TABLE inbox(
     position BIGINT GENERATED ALWAYS AS IDENTITY UNIQUE,
     event_id TEXT COLLATE "C" PRIMARY KEY,
@@ -167,8 +253,18 @@ CREATE TABLE probe(
 );
 INSERT INTO probe(id, probed_at_us) VALUES (1, NULL);
 "#,
-    backlog_triggers!()
-);
+            backlog_triggers!()
+        )
+    };
+}
+
+/// Version 2's DDL, for the upgrade test.
+#[cfg(test)]
+pub(crate) const DDL_V2: &str = ddl_v2!();
+
+/// The schema (version 3): version 2's, then the upgrade to 3, so a new schema and an
+/// upgraded one are the same.
+const DDL: &str = concat!(ddl_v2!(), upgrade_to_3!());
 
 impl From<tokio_postgres::Error> for StoreError {
     /// A deadlock or serialization failure aborted the transaction (retryable, as a whole
@@ -332,7 +428,7 @@ impl PgStore {
             // fail or need a closer look, it is undone and the batch goes envelope by
             // envelope below, exactly as before.
             let live: Vec<usize> = (0..jobs.len()).filter(|&i| !jobs[i].stream.failed()).collect();
-            let events: Vec<&Event> = live.iter().map(|&i| &jobs[i].event).collect();
+            let events: Vec<&Incoming> = live.iter().map(|&i| &jobs[i]).collect();
             match insert_all(&tx, &events, runtime::now_us()).await {
                 Ok(Some(decided)) => {
                     results.resize(jobs.len(), None);
@@ -358,7 +454,7 @@ impl PgStore {
                 // Every envelope left, in one round trip; the first that fails rolls back
                 // alone and the ones after it go in the next round.
                 let round: Vec<usize> = (next..jobs.len()).filter(|&i| !jobs[i].stream.failed()).collect();
-                let events: Vec<&Event> = round.iter().map(|&i| &jobs[i].event).collect();
+                let events: Vec<&Incoming> = round.iter().map(|&i| &jobs[i]).collect();
                 let (decided, failure) = pipeline(&tx, &events, runtime::now_us()).await;
                 let mut decided = decided.into_iter();
                 let mut at = next;
@@ -420,7 +516,10 @@ impl PgStore {
             let mut attempt = 0;
             let decided = loop {
                 let now = runtime::now_us();
-                let decided = in_savepoint(&tx, || insert_pending(&tx, &job.event, now, ctx.admission)).await;
+                let decided = in_savepoint(&tx, || {
+                    insert_pending(&tx, &job.event, job.committed_at_us, now, ctx.admission)
+                })
+                .await;
                 match decided {
                     Err(StepFailure::RolledBack(StoreError::Busy(_))) if attempt < STEP_RETRIES => {
                         attempt += 1
@@ -518,8 +617,8 @@ impl PgStore {
                 let run = &mut runs[next];
                 let budget_left = run.committed.len() + run.pending.len() < max_steps as usize;
                 match step_in_tx(&tx, &run.flow_id, budget_left, &opts).await {
-                    Ok(Progress::Applied { event_id }) => {
-                        run.pending.push(event_id);
+                    Ok(Progress::Applied { event_id, lag_us }) => {
+                        run.applied(event_id, lag_us);
                         run.wrote = true;
                         steps += 1;
                     }
@@ -536,7 +635,7 @@ impl PgStore {
                     Err(StepFailure::TransactionLost(e)) => {
                         lost = Some(e.clone());
                         run.end = Some(Err(e));
-                        run.pending.clear();
+                        run.forget_pending();
                         run.wrote = false;
                         next += 1;
                         break;
@@ -712,12 +811,57 @@ impl PgStore {
         Ok(unsigned(row.get(0)))
     }
 
-    pub(crate) fn unapplied_reader(&self) -> UnappliedReader {
+    pub(crate) async fn backlog_counts(&self) -> Result<BacklogCounts> {
+        let client = self.pool.get().await?;
+        // One statement: one snapshot.
+        let stmt = client.prepare_cached(BACKLOG_COUNTS_SQL).await?;
+        let r = client.query_one(&stmt, &[&big(WAITING_WALK_LIMIT as u64)]).await?;
+        Ok(BacklogCounts {
+            unapplied: unsigned(r.get(0)),
+            blocked: [unsigned(r.get(1)), unsigned(r.get(2)), unsigned(r.get(3))],
+            walked: unsigned(r.get(4)),
+            ready: unsigned(r.get(5)),
+            gap: unsigned(r.get(6)),
+            truncated: r.get(7),
+        })
+    }
+
+    pub(crate) fn backlog_reader(&self) -> BacklogReader {
         let store = self.clone();
         let handle = tokio::runtime::Handle::current();
         // The scrape runs on a blocking thread, outside the runtime's workers: blocking on
         // the runtime's handle there is allowed.
-        std::sync::Arc::new(move || handle.block_on(store.unapplied_count()).map_err(|e| e.to_string()))
+        std::sync::Arc::new(move || handle.block_on(store.backlog_counts()).map_err(|e| e.to_string()))
+    }
+
+    pub(crate) fn pool_status(&self) -> runtime::metrics::PoolStatus {
+        let status = self.pool.status();
+        runtime::metrics::PoolStatus {
+            max: status.max_size,
+            size: status.size,
+            available: status.available,
+            waiting: status.waiting,
+        }
+    }
+
+    /// The schema's columns and function bodies, to compare a new schema with an upgraded one.
+    #[cfg(test)]
+    pub(crate) async fn schema_definition(&self) -> Vec<String> {
+        let client = self.pool.get().await.unwrap();
+        let rows = client
+            .query(
+                "SELECT table_name || '.' || column_name || ' ' || data_type || ' ' || is_nullable
+                        || ' ' || coalesce(column_default, '')
+                 FROM information_schema.columns WHERE table_schema = 'ordered_events_consumer'
+                 UNION ALL
+                 SELECT p.proname || ' ' || p.prosrc FROM pg_proc p
+                 JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = 'ordered_events_consumer'
+                 ORDER BY 1",
+                &[],
+            )
+            .await
+            .unwrap();
+        rows.iter().map(|r| r.get(0)).collect()
     }
 
     /// Runs SQL on a pooled session (tests add triggers and edit rows by hand).
@@ -726,6 +870,24 @@ impl PgStore {
         self.pool.get().await.unwrap().batch_execute(sql).await.unwrap();
     }
 }
+
+/// The backlog counters (kept exact by the triggers) and a walk of the first `$1` waiting
+/// flows in flow_id order, each with its lowest unapplied row (read from the partial index
+/// `inbox_unapplied`) and its projection: how many, how many are ready (the lowest is the
+/// next seq, pending), how many wait at a gap, and whether another waiting flow sorts after
+/// the last one walked.
+const BACKLOG_COUNTS_SQL: &str = "WITH w AS (
+         SELECT DISTINCT ON (flow_id) flow_id, seq AS lowest, state FROM inbox
+         WHERE state <> 'applied' ORDER BY flow_id, seq LIMIT $1),
+     s AS (
+         SELECT count(*) AS walked, max(w.flow_id) AS last,
+                count(*) FILTER (WHERE w.lowest = coalesce(p.last_seq, 0) + 1 AND w.state = 'pending') AS ready,
+                count(*) FILTER (WHERE w.lowest > coalesce(p.last_seq, 0) + 1) AS gap
+         FROM w LEFT JOIN projection p ON p.flow_id = w.flow_id)
+     SELECT b.unapplied, b.blocked_unsupported_schema, b.blocked_invalid_payload,
+            b.blocked_invalid_transition, s.walked, s.ready, s.gap,
+            EXISTS(SELECT 1 FROM inbox WHERE state <> 'applied' AND flow_id > s.last)
+     FROM backlog b, s WHERE b.id = 1";
 
 /// Fails every flow not yet done with `e` (no transaction could be had).
 fn fail_rest(runs: &mut [FlowRun], e: StoreError, opts: &ApplyOptions) {
@@ -746,7 +908,7 @@ const READ_GROUP_SQL: &str = concat!(
     " FROM unnest($1::text[]) WITH ORDINALITY AS f(flow_id, n)
       LEFT JOIN projection p ON p.flow_id = f.flow_id
       LEFT JOIN LATERAL (
-          SELECT event_id, flow_id, seq, kind, schema, body, state, reason FROM inbox
+          SELECT event_id, flow_id, seq, kind, schema, body, state, reason, committed_at_us FROM inbox
           WHERE inbox.flow_id = f.flow_id AND inbox.state <> 'applied'
             AND inbox.seq > coalesce(p.last_seq, 0)
           ORDER BY seq LIMIT $2) i ON true
@@ -761,8 +923,8 @@ struct Planned {
     from: Projection,
     /// The projection after the steps below.
     after: Projection,
-    /// Applied steps in seq order: (event_id, seq, kind, held after it).
-    steps: Vec<(String, u64, proto::flow::Kind, i64)>,
+    /// Applied steps in seq order: (event_id, seq, kind, held after it, committed at).
+    steps: Vec<(String, u64, proto::flow::Kind, i64, Option<i64>)>,
     /// A blocked mark to write (the row's event id and the reason).
     block: Option<(String, BlockReason)>,
     /// Why the flow stopped; `None` when the group filled up first (it goes on next group).
@@ -799,7 +961,8 @@ async fn apply_fast(
             .undo(tx, StoreError::Busy("a stored row needs the step-by-step path".into()))
             .await;
     };
-    if let Err(e) = write_group(tx, &plans, &runs[first..], runtime::now_us()).await {
+    let now = runtime::now_us();
+    if let Err(e) = write_group(tx, &plans, &runs[first..], now).await {
         return APPLY_FAST.undo(tx, e).await;
     }
     let mut after = first;
@@ -818,9 +981,9 @@ async fn apply_fast(
             }
         }
         run.wrote |= !plan.steps.is_empty() || plan.block.is_some();
-        for (event_id, seq, _, _) in plan.steps {
+        for (event_id, seq, _, _, committed_at_us) in plan.steps {
             tracing::debug!(flow_id = %run.flow_id, %event_id, seq, "applied");
-            run.pending.push(event_id);
+            run.applied(event_id, commit_lag_us(committed_at_us, now));
         }
         if let Some(stop) = plan.end {
             run.end = Some(Ok((stop, plan.after)));
@@ -963,7 +1126,7 @@ fn plan_group(
                     if after.last_seq != row.seq {
                         return None;
                     }
-                    plan.steps.push((row.event_id, row.seq, kind, after.held));
+                    plan.steps.push((row.event_id, row.seq, kind, after.held, row.committed_at_us));
                     plan.after = after;
                     steps += 1;
                 }
@@ -1007,7 +1170,7 @@ async fn write_group(tx: &Transaction<'_>, plans: &[Planned], runs: &[FlowRun], 
     let mut e_kinds = Vec::new();
     let mut e_held = Vec::new();
     for p in &moved {
-        for (event_id, seq, kind, held) in &p.steps {
+        for (event_id, seq, kind, held, _) in &p.steps {
             e_ids.push(event_id.as_str());
             e_flows.push(flow(p));
             e_seqs.push(big(*seq));
@@ -1102,7 +1265,7 @@ async fn write_group(tx: &Transaction<'_>, plans: &[Planned], runs: &[FlowRun], 
 
 /// What one step inside the open transaction did.
 enum Progress {
-    Applied { event_id: String },
+    Applied { event_id: String, lag_us: Option<u64> },
     Stopped { stop: Stop, projection: Projection, wrote: bool },
 }
 
@@ -1205,10 +1368,12 @@ async fn decide_and_write(
             Ok(Some(Progress::Stopped { stop, projection: from, wrote }))
         }
         Decision::Apply { kind, after } => {
-            match apply_step(tx, &row, &from, kind, &after, opts, runtime::now_us()).await? {
+            let now = runtime::now_us();
+            match apply_step(tx, &row, &from, kind, &after, opts, now).await? {
                 StepOutcome::Applied => {
                     tracing::debug!(flow_id, event_id = %row.event_id, seq = row.seq, "applied");
-                    Ok(Some(Progress::Applied { event_id: row.event_id }))
+                    let lag_us = commit_lag_us(row.committed_at_us, now);
+                    Ok(Some(Progress::Applied { event_id: row.event_id, lag_us }))
                 }
                 StepOutcome::Raced => Ok(None),
             }
@@ -1226,6 +1391,7 @@ fn raw_inbox(r: &Row, at: usize) -> RawInbox {
         body: r.get(at + 5),
         state: r.get(at + 6),
         reason: r.get(at + 7),
+        committed_at_us: r.get(at + 8),
     }
 }
 
@@ -1262,7 +1428,7 @@ async fn next_to_apply(tx: &Transaction<'_>, flow_id: &str) -> Result<(Projectio
     let from = checked_projection(flow_id, projection_columns(&r, 0))?;
     let event_id: Option<String> = r.get(4);
     if event_id.is_none() {
-        let later: bool = r.get(12);
+        let later: bool = r.get(13);
         return Ok((from, Some(if later { Next::Gap } else { Next::Idle })));
     }
     let row = raw_inbox(&r, 4).check()?;
@@ -1387,8 +1553,8 @@ async fn pipeline_fits(tx: &Transaction<'_>, n: usize, admission: Admission) -> 
 }
 
 const INSERT_PENDING_SQL: &str =
-    "INSERT INTO inbox(event_id, flow_id, seq, kind, schema, body, state, received_at_us)
-     VALUES ($1, $2, $3, $4, $5, $6, 'pending', $7) ON CONFLICT DO NOTHING RETURNING position";
+    "INSERT INTO inbox(event_id, flow_id, seq, kind, schema, body, state, received_at_us, committed_at_us)
+     VALUES ($1, $2, $3, $4, $5, $6, 'pending', $7, $8) ON CONFLICT DO NOTHING RETURNING position";
 
 /// What is stored under an event id and at a (flow_id, seq), read right after the insert
 /// (so it sees exactly what an envelope decided alone at that point would see).
@@ -1443,9 +1609,10 @@ enum Piped {
 /// by the server), or the transaction is lost.
 async fn pipeline(
     tx: &Transaction<'_>,
-    events: &[&Event],
+    incoming: &[&Incoming],
     now_us: i64,
 ) -> (Vec<Result<Received>>, Option<StepFailure<StoreError>>) {
+    let events: Vec<&Event> = incoming.iter().map(|i| &i.event).collect();
     let prepared = async {
         Ok::<_, tokio_postgres::Error>((
             tx.prepare_cached(INSERT_PENDING_SQL).await?,
@@ -1464,9 +1631,10 @@ async fn pipeline(
         statements.push(Box::pin(async { tx.batch_execute("SAVEPOINT step").await.map(|()| Piped::Done) }));
         let insert = &insert;
         let (body, seq, schema) = (&bodies[k], &seqs[k], &schemas[k]);
+        let committed_at_us = &incoming[k].committed_at_us;
         statements.push(Box::pin(async move {
-            let params: [&(dyn ToSql + Sync); 7] =
-                [&e.event_id, &e.flow_id, seq, &e.kind, schema, body, &now_us];
+            let params: [&(dyn ToSql + Sync); 8] =
+                [&e.event_id, &e.flow_id, seq, &e.kind, schema, body, &now_us, committed_at_us];
             tx.query_opt(insert, &params).await.map(Piped::Row)
         }));
         let stored = &stored;
@@ -1513,10 +1681,10 @@ async fn pipeline(
 /// The whole batch as one statement, rows in batch order (so positions are arrival order
 /// and a later envelope meets an earlier one exactly as if each were inserted alone).
 const INSERT_ALL_SQL: &str =
-    "INSERT INTO inbox(event_id, flow_id, seq, kind, schema, body, state, received_at_us)
-     SELECT e, f, s, k, sc, b, 'pending', $7
-     FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $5::integer[], $6::text[])
-          WITH ORDINALITY AS t(e, f, s, k, sc, b, n)
+    "INSERT INTO inbox(event_id, flow_id, seq, kind, schema, body, state, received_at_us, committed_at_us)
+     SELECT e, f, s, k, sc, b, 'pending', $7, c
+     FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $5::integer[], $6::text[], $8::bigint[])
+          WITH ORDINALITY AS t(e, f, s, k, sc, b, c, n)
      ORDER BY n
      ON CONFLICT DO NOTHING RETURNING event_id, position";
 
@@ -1536,12 +1704,14 @@ const HOLDERS_SQL: &str = "SELECT i1.event_id, i1.body, i1.position, i2.event_id
 /// the envelope-by-envelope path: the savepoint is rolled back and nothing was written.
 async fn insert_all(
     tx: &Transaction<'_>,
-    events: &[&Event],
+    incoming: &[&Incoming],
     now_us: i64,
 ) -> std::result::Result<Option<Vec<Received>>, StoreError> {
-    if events.is_empty() {
+    if incoming.is_empty() {
         return Ok(Some(Vec::new()));
     }
+    let events: Vec<&Event> = incoming.iter().map(|i| &i.event).collect();
+    let committed_at: Vec<Option<i64>> = incoming.iter().map(|i| i.committed_at_us).collect();
     let statement = tx.prepare_cached(INSERT_ALL_SQL).await?;
     let bodies: Vec<String> = events.iter().map(|e| e.canonical_body()).collect();
     let ids: Vec<&str> = events.iter().map(|e| e.event_id.as_str()).collect();
@@ -1549,7 +1719,8 @@ async fn insert_all(
     let seqs: Vec<i64> = events.iter().map(|e| big(e.seq)).collect();
     let kinds: Vec<&str> = events.iter().map(|e| e.kind.as_str()).collect();
     let schemas: Vec<i32> = events.iter().map(|e| schema_column(e.schema)).collect();
-    let params: [&(dyn ToSql + Sync); 7] = [&ids, &flows, &seqs, &kinds, &schemas, &bodies, &now_us];
+    let params: [&(dyn ToSql + Sync); 8] =
+        [&ids, &flows, &seqs, &kinds, &schemas, &bodies, &now_us, &committed_at];
     let rows = match RECEIVE_FAST.begin(tx, &statement, &params).await? {
         Ok(rows) => rows,
         Err(e) => return RECEIVE_FAST.undo(tx, e).await,
@@ -1650,6 +1821,7 @@ fn stored_answer(event: &Event, body: &str, read: &Row) -> Result<Received> {
 async fn insert_pending(
     tx: &Transaction<'_>,
     event: &Event,
+    committed_at_us: Option<i64>,
     now_us: i64,
     admission: Admission,
 ) -> Result<Received> {
@@ -1668,13 +1840,22 @@ async fn insert_pending(
     }
     let stmt = tx
         .prepare_cached(
-            "INSERT INTO inbox(event_id, flow_id, seq, kind, schema, body, state, received_at_us)
-             VALUES ($1, $2, $3, $4, $5, $6, 'pending', $7) ON CONFLICT DO NOTHING RETURNING position",
+            "INSERT INTO inbox(event_id, flow_id, seq, kind, schema, body, state, received_at_us,
+                               committed_at_us)
+             VALUES ($1, $2, $3, $4, $5, $6, 'pending', $7, $8) ON CONFLICT DO NOTHING RETURNING position",
         )
         .await?;
     let schema = schema_column(event.schema);
-    let params: [&(dyn ToSql + Sync); 7] =
-        [&event.event_id, &event.flow_id, &big(event.seq), &event.kind, &schema, &body, &now_us];
+    let params: [&(dyn ToSql + Sync); 8] = [
+        &event.event_id,
+        &event.flow_id,
+        &big(event.seq),
+        &event.kind,
+        &schema,
+        &body,
+        &now_us,
+        &committed_at_us,
+    ];
     if let Some(row) = tx.query_opt(&stmt, &params).await? {
         return Ok(Received { outcome: ReceiveOutcome::Accepted, position: unsigned(row.get(0)) });
     }

@@ -15,9 +15,10 @@ use runtime::blocking::{lock, with_locked};
 use rusqlite::{Connection, OptionalExtension, Transaction, params};
 
 use super::{
-    Admission, Backlog, BatchAnswer, EffectRecord, FlowRun, FlowView, Identity, InboxRecord, InboxState,
-    Incoming, Next, RawInbox, ReceiveContext, ReceiveOutcome, Received, Result, StepOutcome, StoreError,
-    UnappliedReader, checked_projection, reports, settle,
+    Admission, Backlog, BacklogCounts, BacklogReader, BatchAnswer, EffectRecord, FlowRun, FlowView, Identity,
+    InboxRecord, InboxState, Incoming, Next, RawInbox, ReceiveContext, ReceiveOutcome, Received, Result,
+    StepOutcome, StoreError, WAITING_WALK_LIMIT, checked_projection, commit_lag_us, reason_index, reports,
+    settle,
 };
 use crate::apply::{ApplyFailure, ApplyOptions, FlowResult, Stop};
 use crate::rules::{BlockReason, Decision, Projection, decide_next};
@@ -25,10 +26,37 @@ use crate::storage::StorageWatch;
 
 /// consumer.db: identity and schema (version 2: version 1 plus the database identity;
 /// version 3: the state and reason checks without `IN` lists; version 4: the backlog counter
-/// kept by the store, not by triggers; a new file gets version 1's schema and then every
+/// kept by the store, not by triggers; version 5: the committed time beside each row and the
+/// blocked rows counted by reason; a new file gets version 1's schema and then every
 /// upgrade).
-pub const KIND: DbKind =
-    DbKind::consumer(4, SCHEMA, &[IDENTITY_SQL, PLAIN_CHECKS_SQL, COUNTER_WITHOUT_TRIGGERS_SQL]);
+pub const KIND: DbKind = DbKind::consumer(
+    5,
+    SCHEMA,
+    &[IDENTITY_SQL, PLAIN_CHECKS_SQL, COUNTER_WITHOUT_TRIGGERS_SQL, COMMITTED_AT_AND_BLOCKED_SQL],
+);
+
+/// Version 5: `inbox.committed_at_us`, the producer's committed time as the envelope carried
+/// it (NULL when it did not: older relays, grpcurl), kept beside the body and never compared,
+/// so `Apply` can measure commit→applied; and `backlog` counts the blocked rows by reason,
+/// kept exact by the store in the same UPDATE as `unapplied` (see [`Unapplied`]). The counts
+/// start from the rows an older build blocked (a walk of the unapplied rows, once).
+const COMMITTED_AT_AND_BLOCKED_SQL: &str = "
+ALTER TABLE inbox ADD COLUMN committed_at_us INTEGER;
+ALTER TABLE backlog ADD COLUMN blocked_unsupported_schema INTEGER NOT NULL DEFAULT 0
+    CHECK(blocked_unsupported_schema >= 0);
+ALTER TABLE backlog ADD COLUMN blocked_invalid_payload INTEGER NOT NULL DEFAULT 0
+    CHECK(blocked_invalid_payload >= 0);
+ALTER TABLE backlog ADD COLUMN blocked_invalid_transition INTEGER NOT NULL DEFAULT 0
+    CHECK(blocked_invalid_transition >= 0);
+UPDATE backlog SET
+    blocked_unsupported_schema =
+        (SELECT count(*) FROM inbox WHERE state <> 'applied' AND reason = 'unsupported_schema'),
+    blocked_invalid_payload =
+        (SELECT count(*) FROM inbox WHERE state <> 'applied' AND reason = 'invalid_payload'),
+    blocked_invalid_transition =
+        (SELECT count(*) FROM inbox WHERE state <> 'applied' AND reason = 'invalid_transition')
+WHERE id = 1;
+";
 
 /// Version 4: `backlog.unapplied` is kept exact by the store functions that change it
 /// ([`Unapplied`]: one UPDATE per transaction, before its commit), not by a trigger per row.
@@ -280,7 +308,11 @@ impl SqliteStore {
         self.with_conn(|conn| unapplied_count(conn)).await
     }
 
-    pub(crate) fn unapplied_reader(&self) -> UnappliedReader {
+    pub(crate) async fn backlog_counts(&self) -> Result<BacklogCounts> {
+        self.with_conn(backlog_counts).await
+    }
+
+    pub(crate) fn backlog_reader(&self) -> BacklogReader {
         let path = self.path.clone();
         let conn: Mutex<Option<Connection>> = Mutex::new(None);
         Arc::new(move || {
@@ -291,8 +323,8 @@ impl SqliteStore {
                     .map_err(|e| format!("{}: {e}", path.display()))?;
                 *conn = Some(opened);
             }
-            let Some(conn) = conn.as_ref() else { return Ok(0) };
-            unapplied_count(conn).map_err(|e| e.to_string())
+            let Some(conn) = conn.as_mut() else { return Ok(BacklogCounts::default()) };
+            backlog_counts(conn).map_err(|e| e.to_string())
         })
     }
 
@@ -355,7 +387,14 @@ fn receive_in_tx(
         }
         let now = runtime::now_us();
         let decided = db::in_step(&tx, steps, |tx| {
-            let outcome = insert_pending_with(&mut held, &job.event, now, ctx.admission, &mut unapplied)?;
+            let outcome = insert_pending_with(
+                &mut held,
+                &job.event,
+                job.committed_at_us,
+                now,
+                ctx.admission,
+                &mut unapplied,
+            )?;
             let position = match outcome {
                 ReceiveOutcome::Accepted => u64::try_from(tx.last_insert_rowid()).unwrap_or(0),
                 ReceiveOutcome::Duplicate => inbox_position(tx, &job.event.event_id)?.unwrap_or(0),
@@ -408,7 +447,7 @@ fn receive_in_tx(
 
 /// What one step inside the open transaction did.
 enum Progress {
-    Applied { event_id: String, after: Projection },
+    Applied { event_id: String, after: Projection, lag_us: Option<u64> },
     Stopped { stop: Stop, projection: Projection, wrote: bool },
 }
 
@@ -457,7 +496,7 @@ fn apply_flows(
             // with a savepoint per step.
             drop(tx);
             for run in &mut runs[first..=next] {
-                run.pending.clear();
+                run.forget_pending();
                 run.wrote = false;
                 run.end = None;
             }
@@ -530,9 +569,9 @@ fn apply_in_tx(
             steps,
             &mut ran.unapplied,
         ) {
-            Ok(Progress::Applied { event_id, after }) => {
+            Ok(Progress::Applied { event_id, after, lag_us }) => {
                 known[*next] = Some(after);
-                run.pending.push(event_id);
+                run.applied(event_id, lag_us);
                 run.wrote = true;
                 written += 1;
             }
@@ -550,7 +589,7 @@ fn apply_in_tx(
             Err(StepFailure::TransactionLost(e)) => {
                 ran.lost = Some(e.clone());
                 run.end = Some(Err(e));
-                run.pending.clear();
+                run.forget_pending();
                 run.wrote = false;
                 *next += 1;
                 break;
@@ -604,6 +643,8 @@ fn step_in_tx(
             if row.state != InboxState::Blocked || row.reason != Some(reason) {
                 wrote = db::in_step(tx, steps, |tx| mark_blocked(tx, &row.event_id, reason))?;
                 if wrote {
+                    // The row was read in this transaction: what it was is what changed.
+                    unapplied.blocked(row.reason, Some(reason));
                     tracing::warn!(
                         flow_id,
                         event_id = %row.event_id,
@@ -625,7 +666,8 @@ fn step_in_tx(
             match applied {
                 StepOutcome::Applied => {
                     tracing::debug!(flow_id, event_id = %row.event_id, seq = row.seq, "applied");
-                    Ok(Progress::Applied { event_id: row.event_id, after })
+                    let lag_us = commit_lag_us(row.committed_at_us, now);
+                    Ok(Progress::Applied { event_id: row.event_id, after, lag_us })
                 }
                 // The projection was read inside this same transaction: it cannot have moved.
                 StepOutcome::Raced => Err(StepFailure::RolledBack(StoreError::Inconsistent(format!(
@@ -645,17 +687,19 @@ fn step_in_tx(
 pub fn insert_pending(
     tx: &Transaction<'_>,
     event: &Event,
+    committed_at_us: Option<i64>,
     now_us: i64,
     admission: Admission,
     counter: &mut Unapplied,
 ) -> Result<ReceiveOutcome> {
-    insert_pending_with(&mut Held::new(tx), event, now_us, admission, counter)
+    insert_pending_with(&mut Held::new(tx), event, committed_at_us, now_us, admission, counter)
 }
 
 /// [`insert_pending`] with the batch's held statements.
 fn insert_pending_with(
     held: &mut Held<'_>,
     event: &Event,
+    committed_at_us: Option<i64>,
     now_us: i64,
     admission: Admission,
     counter: &mut Unapplied,
@@ -675,10 +719,20 @@ fn insert_pending_with(
     }
     let inserted = held
         .get(
-            "INSERT INTO inbox(event_id, flow_id, seq, kind, schema, body, state, received_at_us)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'pending', ?7) ON CONFLICT DO NOTHING",
+            "INSERT INTO inbox(event_id, flow_id, seq, kind, schema, body, state, received_at_us,
+                               committed_at_us)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'pending', ?7, ?8) ON CONFLICT DO NOTHING",
         )?
-        .execute(params![event.event_id, event.flow_id, event.seq, event.kind, event.schema, body, now_us])?;
+        .execute(params![
+            event.event_id,
+            event.flow_id,
+            event.seq,
+            event.kind,
+            event.schema,
+            body,
+            now_us,
+            committed_at_us
+        ])?;
     if inserted == 1 {
         counter.delta += 1;
         return Ok(ReceiveOutcome::Accepted);
@@ -738,15 +792,18 @@ pub fn unapplied_count(conn: &Connection) -> Result<u64> {
     Ok(conn.prepare_cached("SELECT unapplied FROM backlog WHERE id = 1")?.query_row([], |r| r.get(0))?)
 }
 
-/// The `backlog.unapplied` counter inside one write transaction: read at most once (when the
-/// cap needs it), this transaction's changes summed, and written once before the commit
-/// ([`Unapplied::write`]). [`insert_pending`] and [`apply_step`], the only writes that
-/// change how many rows are unapplied, take one, so the counter stays exact in the same
-/// transaction as the rows.
+/// The `backlog` counters inside one write transaction: `unapplied` read at most once (when
+/// the cap needs it), this transaction's changes of it and of the blocked rows by reason
+/// summed, and written once before the commit ([`Unapplied::write`], one UPDATE).
+/// [`insert_pending`], [`apply_step`] and the apply loop's blocked marks, the only writes
+/// that change how many rows are unapplied or blocked, take one, so the counters stay exact
+/// in the same transaction as the rows.
 #[derive(Debug, Default)]
 pub struct Unapplied {
     stored: Option<u64>,
     delta: i64,
+    /// Blocked rows gained (+) or lost (-) per reason, in [`super::BLOCK_REASONS`] order.
+    blocked: [i64; 3],
 }
 
 impl Unapplied {
@@ -760,22 +817,77 @@ impl Unapplied {
         Ok(stored.saturating_add_signed(self.delta))
     }
 
-    /// Whether this transaction changed the counter (it inserted or applied a row).
+    /// Whether this transaction changed a counter (it inserted, applied or blocked a row).
     pub fn changed(&self) -> bool {
-        self.delta != 0
+        self.delta != 0 || self.blocked != [0; 3]
     }
 
-    /// Writes this transaction's change of the counter (nothing when there is none).
+    /// A row's block reason went from `was` to `now` (`None`: not blocked).
+    pub fn blocked(&mut self, was: Option<BlockReason>, now: Option<BlockReason>) {
+        if was != now {
+            if let Some(was) = was {
+                self.blocked[reason_index(was)] -= 1;
+            }
+            if let Some(now) = now {
+                self.blocked[reason_index(now)] += 1;
+            }
+        }
+    }
+
+    /// Writes this transaction's change of the counters (nothing when there is none).
     pub fn write(&mut self, tx: &Transaction<'_>) -> Result<()> {
-        if self.delta != 0 {
-            tx.prepare_cached("UPDATE backlog SET unapplied = unapplied + ?1 WHERE id = 1")?
-                .execute([self.delta])?;
+        if self.changed() {
+            let [schema, payload, transition] = self.blocked;
+            tx.prepare_cached(
+                "UPDATE backlog SET unapplied = unapplied + ?1,
+                     blocked_unsupported_schema = blocked_unsupported_schema + ?2,
+                     blocked_invalid_payload = blocked_invalid_payload + ?3,
+                     blocked_invalid_transition = blocked_invalid_transition + ?4
+                 WHERE id = 1",
+            )?
+            .execute([self.delta, schema, payload, transition])?;
             self.stored = self.stored.map(|n| n.saturating_add_signed(self.delta));
             self.delta = 0;
+            self.blocked = [0; 3];
         }
         Ok(())
     }
 }
+
+/// The backlog counters and a walk of at most [`WAITING_WALK_LIMIT`] waiting flows, in one
+/// read transaction (one snapshot). The walk reads the partial index `inbox_unapplied` alone
+/// (each flow's lowest unapplied seq and its state) and each walked flow's projection.
+pub fn backlog_counts(conn: &mut Connection) -> Result<BacklogCounts> {
+    let tx = conn.transaction()?;
+    let (unapplied, blocked) = tx.prepare_cached(BACKLOG_COUNTERS_SQL)?.query_row([], |r| {
+        Ok((r.get::<_, u64>(0)?, [r.get::<_, u64>(1)?, r.get::<_, u64>(2)?, r.get::<_, u64>(3)?]))
+    })?;
+    let (walked, ready, gap, truncated) = tx
+        .prepare_cached(WAITING_WALK_SQL)?
+        .query_row([WAITING_WALK_LIMIT as i64], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?;
+    drop(tx);
+    Ok(BacklogCounts { unapplied, blocked, gap, ready, walked, truncated })
+}
+
+/// The counters the store keeps exact.
+const BACKLOG_COUNTERS_SQL: &str = "SELECT unapplied, blocked_unsupported_schema, blocked_invalid_payload,
+            blocked_invalid_transition FROM backlog WHERE id = 1";
+
+/// The first `?1` waiting flows in flow_id order, each with its lowest unapplied seq and that
+/// row's state (SQLite gives a bare column the values of the row `min()` chose): how many,
+/// how many are ready (the lowest is the next seq, pending), how many wait at a gap (the
+/// lowest is past the next seq), and whether another waiting flow sorts after the last one.
+pub const WAITING_WALK_SQL: &str = "WITH w AS (
+         SELECT flow_id, min(seq) AS lowest, state FROM inbox WHERE state <> 'applied'
+         GROUP BY flow_id ORDER BY flow_id LIMIT ?1),
+     s AS (
+         SELECT count(*) AS walked, max(w.flow_id) AS last,
+                coalesce(sum(w.lowest = coalesce(p.last_seq, 0) + 1 AND w.state = 'pending'), 0) AS ready,
+                coalesce(sum(w.lowest > coalesce(p.last_seq, 0) + 1), 0) AS gap
+         FROM w LEFT JOIN projection p ON p.flow_id = w.flow_id)
+     SELECT walked, ready, gap,
+            EXISTS(SELECT 1 FROM inbox WHERE state <> 'applied' AND flow_id > s.last)
+     FROM s";
 
 /// Whether `event` is exactly the next seq of a flow that already has rows waiting behind it.
 fn fills_gap(conn: &Connection, event: &Event) -> Result<bool> {
@@ -808,7 +920,7 @@ fn projection_with(held: &mut Held<'_>, flow_id: &str) -> Result<Projection> {
 /// once at compile time, not formatted at every call).
 macro_rules! inbox_columns {
     () => {
-        "event_id, flow_id, seq, kind, schema, body, state, reason"
+        "event_id, flow_id, seq, kind, schema, body, state, reason, committed_at_us"
     };
 }
 
@@ -826,6 +938,7 @@ fn raw_inbox(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawInbox> {
         body: r.get(5)?,
         state: r.get(6)?,
         reason: r.get(7)?,
+        committed_at_us: r.get(8)?,
     })
 }
 
@@ -961,6 +1074,9 @@ fn apply_step_with(
         )));
     }
     unapplied.delta -= 1;
+    if row.state == InboxState::Blocked {
+        unapplied.blocked(row.reason, None);
+    }
     crash.reach(CrashPoint::ConsumerApplyAfterEffect);
     Ok(StepOutcome::Applied)
 }
@@ -1067,7 +1183,7 @@ mod tests {
     fn receive(conn: &mut Connection, e: &Event) -> ReceiveOutcome {
         let tx = db::begin_immediate(conn).unwrap();
         let mut unapplied = Unapplied::default();
-        let outcome = insert_pending(&tx, e, 1, Admission::Unlimited, &mut unapplied).unwrap();
+        let outcome = insert_pending(&tx, e, None, 1, Admission::Unlimited, &mut unapplied).unwrap();
         unapplied.write(&tx).unwrap();
         tx.commit().unwrap();
         outcome
@@ -1091,7 +1207,7 @@ mod tests {
     fn receive_capped(conn: &mut Connection, e: &Event, cap: u64) -> ReceiveOutcome {
         let tx = db::begin_immediate(conn).unwrap();
         let mut unapplied = Unapplied::default();
-        let outcome = insert_pending(&tx, e, 1, Admission::Cap(cap), &mut unapplied).unwrap();
+        let outcome = insert_pending(&tx, e, None, 1, Admission::Cap(cap), &mut unapplied).unwrap();
         unapplied.write(&tx).unwrap();
         tx.commit().unwrap();
         outcome
@@ -1186,12 +1302,68 @@ mod tests {
     }
 
     #[test]
+    fn a_version_4_file_gains_the_committed_time_and_the_blocked_counts() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.db");
+        let v4 = DbKind::consumer(4, SCHEMA, &[IDENTITY_SQL, PLAIN_CHECKS_SQL, COUNTER_WITHOUT_TRIGGERS_SQL]);
+        let conn = db::open(&path, &v4, db::OpenMode::Create).unwrap();
+        // Rows as a version 4 build left them (it keeps `unapplied` itself).
+        let b1 = event("B", 1, "reserved", 2, r#"{"units":3}"#);
+        conn.execute(
+            "INSERT INTO inbox(event_id, flow_id, seq, kind, schema, body, state, reason, received_at_us)
+             VALUES ('A1', 'A', 1, 'reserved', 1, ?1, 'pending', NULL, 1),
+                    ('B1', 'B', 1, 'reserved', 2, ?2, 'blocked', 'unsupported_schema', 1)",
+            params![reference("A", 1).canonical_body(), b1.canonical_body()],
+        )
+        .unwrap();
+        conn.execute("UPDATE backlog SET unapplied = 2", []).unwrap();
+        drop(conn);
+        let mut conn = open(&path).unwrap();
+        let counts = backlog_counts(&mut conn).unwrap();
+        assert_eq!(
+            counts,
+            BacklogCounts { unapplied: 2, blocked: [1, 0, 0], gap: 0, ready: 1, walked: 2, truncated: false }
+        );
+        assert_eq!(flow_inbox(&conn, "A").unwrap()[0].committed_at_us, None);
+        // From now on the store stores the stamp and keeps the counts.
+        let tx = db::begin_immediate(&mut conn).unwrap();
+        let mut unapplied = Unapplied::default();
+        let a2 = reference("A", 2);
+        assert_eq!(
+            insert_pending(&tx, &a2, Some(7), 8, Admission::Unlimited, &mut unapplied).unwrap(),
+            ReceiveOutcome::Accepted
+        );
+        unapplied.write(&tx).unwrap();
+        tx.commit().unwrap();
+        assert_eq!(flow_inbox(&conn, "A").unwrap()[1].committed_at_us, Some(7));
+        assert_eq!(step(&mut conn, "A"), Some(StepOutcome::Applied));
+        assert_eq!(backlog_counts(&mut conn).unwrap().unapplied, 2);
+        // A new file gets the same definitions.
+        let fresh = open(&dir.path().join("new.db")).unwrap();
+        let sql = |c: &Connection| -> Vec<String> {
+            c.prepare("SELECT sql FROM sqlite_schema ORDER BY name")
+                .unwrap()
+                .query_map([], |r| r.get::<_, Option<String>>(0))
+                .unwrap()
+                .map(|r| r.unwrap().unwrap_or_default())
+                .collect()
+        };
+        assert_eq!(sql(&fresh), sql(&conn));
+    }
+
+    #[test]
     fn a_version_2_file_is_upgraded_and_no_step_builds_a_temporary_btree() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("c.db");
         let v2 = DbKind::consumer(2, SCHEMA, &[IDENTITY_SQL]);
-        let mut conn = db::open(&path, &v2, db::OpenMode::Create).unwrap();
-        receive(&mut conn, &reference("A", 1));
+        let conn = db::open(&path, &v2, db::OpenMode::Create).unwrap();
+        // A row as a version 2 build wrote it (its triggers count it).
+        conn.execute(
+            "INSERT INTO inbox(event_id, flow_id, seq, kind, schema, body, state, received_at_us)
+             VALUES ('A1', 'A', 1, 'reserved', 1, ?1, 'pending', 1)",
+            [reference("A", 1).canonical_body()],
+        )
+        .unwrap();
         assert!(
             STEP_WRITES.iter().all(|sql| ephemeral_opens(&conn, sql) > 0),
             "version 2 checks through temporary b-trees"
@@ -1377,6 +1549,7 @@ mod tests {
             (BACKLOG_BY_FLOW_SQL, plan(&conn, BACKLOG_BY_FLOW_SQL, [10])),
             (UNAPPLIED_FLOWS_SQL, plan(&conn, UNAPPLIED_FLOWS_SQL, params!["", 10])),
             (LATER_UNAPPLIED_SQL, plan(&conn, LATER_UNAPPLIED_SQL, params!["A", 1])),
+            (WAITING_WALK_SQL, plan(&conn, WAITING_WALK_SQL, [10])),
         ] {
             assert!(plan.contains("USING COVERING INDEX inbox_unapplied"), "{sql}\n{plan}");
             assert!(!plan.contains("TEMP B-TREE"), "{sql}\n{plan}");

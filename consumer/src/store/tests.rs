@@ -68,6 +68,7 @@ fn event(id: &str, flow: &str, seq: u64, kind: &str, schema: u32, payload: &str)
         kind: kind.into(),
         schema,
         payload_json: payload.into(),
+        committed_at_us: None,
     };
     proto::limits::check_envelope(&env).unwrap()
 }
@@ -89,7 +90,8 @@ async fn batch(
     events: Vec<(Event, Arc<StreamState>)>,
     admission: Admission,
 ) -> Vec<String> {
-    let incoming = events.into_iter().map(|(event, stream)| Incoming { event, stream }).collect();
+    let incoming =
+        events.into_iter().map(|(event, stream)| Incoming { event, committed_at_us: None, stream }).collect();
     store
         .receive_batch(Arc::new(incoming), ctx(admission))
         .await
@@ -103,7 +105,8 @@ async fn batch(
 }
 
 async fn receive_one(store: &ConsumerStore, e: Event, admission: Admission) -> Received {
-    let incoming = vec![Incoming { event: e, stream: Arc::new(StreamState::default()) }];
+    let incoming =
+        vec![Incoming { event: e, committed_at_us: None, stream: Arc::new(StreamState::default()) }];
     let mut answers = store.receive_batch(Arc::new(incoming), ctx(admission)).await;
     answers.pop().flatten().unwrap().unwrap()
 }
@@ -548,4 +551,198 @@ async fn a_group_of_flows_ends_like_one_step_per_transaction() {
     for other in &views[1..] {
         assert_eq!((&other.1, &other.2), (&views[0].1, &views[0].2), "{} vs {}", other.0, views[0].0);
     }
+}
+
+/// Receives `e` alone, with the committed time its envelope carried.
+async fn receive_at(
+    store: &ConsumerStore,
+    e: Event,
+    committed_at_us: Option<i64>,
+    admission: Admission,
+) -> ReceiveOutcome {
+    let incoming = vec![Incoming { event: e, committed_at_us, stream: Arc::new(StreamState::default()) }];
+    let mut answers = store.receive_batch(Arc::new(incoming), ctx(admission)).await;
+    answers.pop().flatten().unwrap().unwrap().outcome
+}
+
+/// The committed time rides beside the row: stored once, never part of the body and never
+/// compared (a resend with another value or none is still a duplicate), and each applied
+/// row that knows it is recorded once in the commit→applied histogram when its apply
+/// commits; a committed time after the apply (clocks that disagree) is not a latency.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_committed_time_is_kept_beside_the_row_and_measured_at_apply() {
+    let histogram = &crate::metrics::COMMIT_TO_APPLIED;
+    for (store, _keep) in stores("c_committed_at").await {
+        let b = store.backend();
+        let now = runtime::now_us();
+        let a1 = reference("A", 1);
+        assert_eq!(
+            receive_at(&store, a1.clone(), Some(now - 2_000_000), Admission::Unlimited).await,
+            ReceiveOutcome::Accepted
+        );
+        for again in [Some(now), None] {
+            assert_eq!(
+                receive_at(&store, a1.clone(), again, Admission::Unlimited).await,
+                ReceiveOutcome::Duplicate,
+                "{b}"
+            );
+        }
+        // The capped path (one envelope at a time) stores it too; so does a sender without it.
+        assert_eq!(
+            receive_at(&store, reference("A", 2), Some(now - 1_000_000), Admission::Cap(100)).await,
+            ReceiveOutcome::Accepted
+        );
+        assert_eq!(
+            receive_at(&store, reference("A", 3), None, Admission::Unlimited).await,
+            ReceiveOutcome::Accepted
+        );
+        assert_eq!(
+            receive_at(&store, reference("F", 1), Some(now + 3_600_000_000), Admission::Unlimited).await,
+            ReceiveOutcome::Accepted
+        );
+        let rows = store.flow("A".into()).await.unwrap().inbox;
+        let stamps: Vec<Option<i64>> = rows.iter().map(|r| r.committed_at_us).collect();
+        assert_eq!(
+            stamps,
+            [Some(now - 2_000_000), Some(now - 1_000_000), None],
+            "{b}: the first stamp stays"
+        );
+        assert_eq!(rows[0].body, a1.canonical_body(), "{b}: the body does not carry it");
+        let before = histogram.count();
+        let r = apply(&store, "A", 10, ApplyOptions::default()).await;
+        assert_eq!(r.applied.len(), 3, "{b}");
+        let f = apply(&store, "F", 10, ApplyOptions::default()).await;
+        assert_eq!(f.applied.len(), 1, "{b}");
+        // Other tests apply rows without a committed time, which are never recorded.
+        assert_eq!(
+            histogram.count() - before,
+            2,
+            "{b}: A1 and A2; not A3 (unknown) nor F1 (from the future)"
+        );
+    }
+}
+
+/// The scrape's backlog counts: blocked rows by reason kept exact through blocking,
+/// re-evaluation to another reason and applying, and the walk telling a gap from a ready flow.
+#[tokio::test(flavor = "multi_thread")]
+async fn backlog_counts_tell_gap_blocked_and_ready() {
+    for (store, _keep) in stores("c_backlog_counts").await {
+        let b = store.backend();
+        receive(&store, reference("A", 1)).await; // applied below: not waiting
+        receive(&store, reference("G", 2)).await; // a gap at G1
+        receive(&store, event("B1", "B", 1, "reserved", 2, r#"{"amount":3}"#)).await; // schema 2
+        receive(&store, event("C1", "C", 1, "reserved", 2, r#"{"units":3}"#)).await; // schema 2
+        receive(&store, event("P1", "P", 1, "reserved", 1, r#"{"units":3}"#)).await; // invalid payload
+        receive(&store, reference("R", 1)).await; // ready: not applied yet
+        receive(&store, reference("R", 2)).await;
+        for flow in ["A", "B", "C", "G", "P"] {
+            apply(&store, flow, 10, ApplyOptions::default()).await;
+        }
+        let counts = store.backlog_counts().await.unwrap();
+        let expected =
+            BacklogCounts { unapplied: 6, blocked: [2, 1, 0], gap: 1, ready: 1, walked: 5, truncated: false };
+        assert_eq!(counts, expected, "{b}");
+        // Applying again with the same decoder changes nothing.
+        apply(&store, "B", 10, ApplyOptions::default()).await;
+        assert_eq!(store.backlog_counts().await.unwrap(), expected, "{b}");
+        // With the v2 decoder, B1 is re-evaluated to another reason (no `units`) and C1 applies.
+        let v2 = ApplyOptions { support_v2: true, ..ApplyOptions::default() };
+        let r = apply(&store, "B", 10, v2).await;
+        assert!(matches!(r.stop, Stop::Blocked { reason: BlockReason::InvalidPayload, .. }), "{b}: {r:?}");
+        assert_eq!(apply(&store, "C", 10, v2).await.applied, ["C1"], "{b}");
+        // R applies; G waits for G1, which arrives and makes it ready.
+        apply(&store, "R", 10, ApplyOptions::default()).await;
+        receive(&store, reference("G", 1)).await;
+        let counts = store.backlog_counts().await.unwrap();
+        assert_eq!(
+            counts,
+            BacklogCounts { unapplied: 4, blocked: [0, 2, 0], gap: 0, ready: 1, walked: 3, truncated: false },
+            "{b}"
+        );
+        assert_eq!(counts.unapplied, store.unapplied_count().await.unwrap(), "{b}");
+    }
+}
+
+/// The walk stops at its bound and says so: with more waiting flows than it looks at, gap
+/// and ready count only the first ones, and `truncated` is set.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_waiting_walk_is_bounded() {
+    for (store, _keep) in stores("c_walk_bound").await {
+        let b = store.backend();
+        let n = WAITING_WALK_LIMIT + 2;
+        let stream = Arc::new(StreamState::default());
+        let events: Vec<(Event, Arc<StreamState>)> =
+            (0..n).map(|i| (reference(&format!("W{i:05}"), 1), Arc::clone(&stream))).collect();
+        for chunk in events.chunks(2_000) {
+            let answers = batch(&store, chunk.to_vec(), Admission::Unlimited).await;
+            assert!(answers.iter().all(|a| a == "Accepted"), "{b}");
+        }
+        let counts = store.backlog_counts().await.unwrap();
+        assert_eq!(counts.unapplied, n as u64, "{b}");
+        assert_eq!(
+            (counts.walked, counts.ready, counts.gap),
+            (WAITING_WALK_LIMIT as u64, WAITING_WALK_LIMIT as u64, 0),
+            "{b}"
+        );
+        assert!(counts.truncated, "{b}");
+    }
+}
+
+/// PostgreSQL: a version 2 schema with rows a version 2 build wrote (one pending, one blocked)
+/// is upgraded in place to version 3: the committed-time column is there (NULL for the old
+/// rows), the blocked count starts from the blocked row, and the triggers keep every counter
+/// from then on.
+#[tokio::test(flavor = "multi_thread")]
+async fn pg_a_version_2_schema_is_upgraded_and_keeps_its_counts() {
+    let Some(db) = TestDb::create("c_pg_v2_upgrade") else { return };
+    let target: DbTarget = db.url().parse().unwrap();
+    let DbTarget::Postgres(url) = &target else { panic!("a postgres URL") };
+    let v2 = proto::pg::PgKind { version: 2, ddl: pg::DDL_V2, upgrades: &pg::KIND.upgrades[..1], ..pg::KIND };
+    let old = proto::pg::open(url, &v2, proto::db::OpenMode::Create, 2).await.unwrap();
+    let client = old.pool.get().await.unwrap();
+    let (a1, b1) = (reference("A", 1), event("B1", "B", 1, "reserved", 2, r#"{"units":3}"#));
+    client
+        .execute(
+            "INSERT INTO inbox(event_id, flow_id, seq, kind, schema, body, state, reason, received_at_us)
+             VALUES ('A1', 'A', 1, 'reserved', 1, $1, 'pending', NULL, 1),
+                    ('B1', 'B', 1, 'reserved', 2, $2, 'blocked', 'unsupported_schema', 1)",
+            &[&a1.canonical_body(), &b1.canonical_body()],
+        )
+        .await
+        .unwrap();
+    let columns: i64 = client
+        .query_one(
+            "SELECT count(*) FROM information_schema.columns WHERE column_name = 'committed_at_us'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(columns, 0, "version 2 has no committed time");
+    drop(client);
+    drop(old);
+
+    let store = ConsumerStore::open(&target).await.unwrap();
+    let counts = store.backlog_counts().await.unwrap();
+    assert_eq!(
+        counts,
+        BacklogCounts { unapplied: 2, blocked: [1, 0, 0], gap: 0, ready: 1, walked: 2, truncated: false }
+    );
+    assert_eq!(store.flow("A".into()).await.unwrap().inbox[0].committed_at_us, None);
+    let now = runtime::now_us();
+    assert_eq!(
+        receive_at(&store, reference("A", 2), Some(now), Admission::Unlimited).await,
+        ReceiveOutcome::Accepted
+    );
+    assert_eq!(apply(&store, "A", 10, ApplyOptions::default()).await.applied, ["A1", "A2"]);
+    let v2_decoder = ApplyOptions { support_v2: true, ..ApplyOptions::default() };
+    assert_eq!(apply(&store, "B", 10, v2_decoder).await.applied, ["B1"]);
+    assert_eq!(store.backlog_counts().await.unwrap(), BacklogCounts::default());
+    // A new schema is the upgraded one: the same columns and functions.
+    let fresh = TestDb::create("c_pg_v3_fresh").expect("the server answered a moment ago");
+    let fresh_store = ConsumerStore::open(&fresh.url().parse().unwrap()).await.unwrap();
+    let (ConsumerStore::Postgres(fresh), ConsumerStore::Postgres(upgraded)) = (&fresh_store, &store) else {
+        panic!("postgres")
+    };
+    assert_eq!(fresh.schema_definition().await, upgraded.schema_definition().await);
 }

@@ -64,6 +64,11 @@ pub struct OutboxRecord {
     pub attempts: u64,
     /// The last answer's word, e.g. `BACKLOG_FULL` (none before the first answer).
     pub last_outcome: Option<String>,
+    /// When its transaction stamped it (microseconds since the epoch), as read from the
+    /// outbox: sent with the envelope so the consumer can measure commit→applied. `None` in
+    /// the copy [`decide`] builds for a new row (the stamp is taken when it is written), so
+    /// a `COMMITTED` answer carries none; nothing compares it.
+    pub committed_at_us: Option<i64>,
 }
 
 /// What `advance` decided.
@@ -169,6 +174,7 @@ pub fn decide(
         accepted: false,
         attempts: 0,
         last_outcome: None,
+        committed_at_us: None,
     };
     let flow = FlowRecord {
         seq: stored.seq,
@@ -429,6 +435,14 @@ impl ProducerStore {
         match self {
             ProducerStore::Sqlite(s) => s.backlog_gauges(to_gauges),
             ProducerStore::Postgres(s) => s.backlog_gauges(to_gauges),
+        }
+    }
+
+    /// The connection pool's state (PostgreSQL only).
+    pub fn pool_status(&self) -> Option<runtime::metrics::PoolStatus> {
+        match self {
+            ProducerStore::Sqlite(_) => None,
+            ProducerStore::Postgres(s) => Some(s.pool_status()),
         }
     }
 

@@ -164,7 +164,7 @@ impl PgStore {
         let stmt = client
             .prepare_cached(
                 "SELECT f.seq, f.state, f.amount, o.event_id, o.flow_id, o.seq, o.kind, o.schema, o.body,
-                        o.accepted, o.attempts, o.last_outcome
+                        o.accepted, o.attempts, o.last_outcome, o.committed_at_us
                  FROM (SELECT $1::text AS id) k
                  LEFT JOIN flow f ON f.flow_id = k.id
                  LEFT JOIN outbox o ON o.flow_id = k.id
@@ -187,6 +187,16 @@ impl PgStore {
             }
         }
         Ok((flow, outbox))
+    }
+
+    pub(super) fn pool_status(&self) -> runtime::metrics::PoolStatus {
+        let status = self.pool.status();
+        runtime::metrics::PoolStatus {
+            max: status.max_size,
+            size: status.size,
+            available: status.available,
+            waiting: status.waiting,
+        }
     }
 
     pub(super) fn backlog_gauges<G>(&self, to_gauges: G) -> GaugeReader
@@ -225,7 +235,8 @@ impl PgStore {
         let client = self.client().await?;
         let stmt = client
             .prepare_cached(
-                "SELECT event_id, flow_id, seq, kind, schema, body, accepted, attempts, last_outcome
+                "SELECT event_id, flow_id, seq, kind, schema, body, accepted, attempts, last_outcome,
+                committed_at_us
                  FROM outbox WHERE accepted = 0 AND (flow_id, seq) > ($1, $2)
                  ORDER BY flow_id, seq LIMIT $3",
             )
@@ -519,7 +530,7 @@ fn flow_from_row(row: &Row, at: usize, flow_id: &str) -> Result<FlowRecord, Stor
 }
 
 /// The outbox row of `row` from column `at` on (`event_id, flow_id, seq, kind, schema, body,
-/// accepted, attempts, last_outcome`).
+/// accepted, attempts, last_outcome, committed_at_us`).
 fn outbox_from_row(row: &Row, at: usize) -> Result<OutboxRecord, StoreError> {
     let schema: i32 = row.try_get(at + 4).map_err(corrupt)?;
     let accepted: i32 = row.try_get(at + 6).map_err(corrupt)?;
@@ -533,10 +544,12 @@ fn outbox_from_row(row: &Row, at: usize) -> Result<OutboxRecord, StoreError> {
         accepted: accepted != 0,
         attempts: unsigned(row, at + 7, "outbox.attempts")?,
         last_outcome: row.try_get(at + 8).map_err(corrupt)?,
+        committed_at_us: row.try_get(at + 9).map_err(corrupt)?,
     })
 }
 
-const EVENT_SQL: &str = "SELECT event_id, flow_id, seq, kind, schema, body, accepted, attempts, last_outcome
+const EVENT_SQL: &str = "SELECT event_id, flow_id, seq, kind, schema, body, accepted, attempts, last_outcome,
+                committed_at_us
      FROM outbox WHERE event_id = $1";
 const FLOW_SQL: &str = "SELECT seq, state, amount FROM flow WHERE flow_id = $1";
 
@@ -646,7 +659,8 @@ async fn advance_batch(
         client.prepare_cached("SELECT flow_id, seq, state, amount FROM flow WHERE flow_id = ANY($1)").await?;
     let events_stmt = client
         .prepare_cached(
-            "SELECT event_id, flow_id, seq, kind, schema, body, accepted, attempts, last_outcome
+            "SELECT event_id, flow_id, seq, kind, schema, body, accepted, attempts, last_outcome,
+                committed_at_us
              FROM outbox WHERE event_id = ANY($1)",
         )
         .await?;

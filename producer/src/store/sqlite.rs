@@ -414,7 +414,7 @@ fn flow_record_with(held: &mut Held<'_>, flow_id: &str) -> Result<FlowRecord, St
 /// (built once at compile time, not formatted at every call).
 macro_rules! outbox_columns {
     () => {
-        "event_id, flow_id, seq, kind, schema, body, accepted, attempts, last_outcome"
+        "event_id, flow_id, seq, kind, schema, body, accepted, attempts, last_outcome, committed_at_us"
     };
 }
 
@@ -429,6 +429,7 @@ fn outbox_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<OutboxRecord> {
         accepted: r.get::<_, i64>(6)? != 0,
         attempts: r.get(7)?,
         last_outcome: r.get(8)?,
+        committed_at_us: r.get(9)?,
     })
 }
 
@@ -458,7 +459,8 @@ pub fn flow_outbox(conn: &Connection, flow_id: &str) -> Result<Vec<OutboxRecord>
 /// It is answered from the partial index `outbox_unaccepted` alone (see the
 /// `EXPLAIN QUERY PLAN` test), so the accepted history is never scanned.
 pub const UNACCEPTED_PAGE_SQL: &str =
-    "SELECT event_id, flow_id, seq, kind, schema, body, accepted, attempts, last_outcome
+    "SELECT event_id, flow_id, seq, kind, schema, body, accepted, attempts, last_outcome,
+            committed_at_us
      FROM outbox WHERE accepted = 0 AND (flow_id, seq) > (?1, ?2)
      ORDER BY flow_id, seq LIMIT ?3";
 

@@ -395,6 +395,7 @@ fn envelope(row: &Row, payload: &serde_json::Value) -> pb::EventEnvelope {
         kind: row.3.clone(),
         schema: row.4,
         payload_json: payload.to_string(),
+        committed_at_us: None,
     }
 }
 

@@ -41,6 +41,7 @@ fn env(id: &str, flow: &str, seq: u64, kind: &str, schema: u32, payload: &str) -
         kind: kind.into(),
         schema,
         payload_json: payload.into(),
+        committed_at_us: None,
     }
 }
 

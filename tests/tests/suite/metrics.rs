@@ -6,6 +6,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use harness::backend::Backend;
 use harness::background::{RelayDaemon, wait_for};
 use harness::scrape::{Metrics, get, metrics_addr};
 use harness::{Consumer, Producer, Workdir, advance, db, envelope};
@@ -16,6 +17,22 @@ const METRICS: [&str; 2] = ["--metrics-listen", "127.0.0.1:0"];
 
 fn addr_in(log: impl Fn() -> String) -> String {
     wait_for(DEADLINE, || metrics_addr(&log()), &log)
+}
+
+/// On PostgreSQL, the pool gauges of `pool`: its size as configured, and no more
+/// connections in use or idle than it may open. On SQLite there is no pool and no gauge.
+fn assert_pool(m: &Metrics, pool: &str, max: f64) {
+    let max_seen = m.value("ordered_events_pg_pool_max_connections", &[("pool", pool)]);
+    if Backend::current() == Backend::Postgres {
+        assert_eq!(max_seen, Some(max), "{pool}");
+        let in_use = m.get("ordered_events_pg_pool_connections", &[("pool", pool), ("state", "in_use")]);
+        let idle = m.get("ordered_events_pg_pool_connections", &[("pool", pool), ("state", "idle")]);
+        assert!(in_use + idle >= 1.0, "{pool}: the pool opened a connection at start-up");
+        assert!(in_use + idle <= max, "{pool}: {in_use} in use + {idle} idle > {max}");
+        assert_eq!(m.get("ordered_events_pg_pool_waiting", &[("pool", pool)]), 0.0, "{pool}");
+    } else {
+        assert_eq!(max_seen, None, "{pool}: no pool on SQLite");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -69,6 +86,7 @@ async fn metrics_count_what_the_pipeline_answered() {
     assert_eq!(m.get("ordered_events_producer_outbox_fill_ratio", &[]), 5.0 / 1_000_000.0);
     // Every call went through the writer in some transaction, counted with its size.
     assert_eq!(m.get("ordered_events_transaction_items_sum", &[("writer", "advance")]), answers.len() as f64);
+    assert_pool(&m, "producer", 8.0);
     m.save("producer");
 
     // The relay delivers all five without a line per delivery; its progress line says so.
@@ -100,6 +118,7 @@ async fn metrics_count_what_the_pipeline_answered() {
     assert_eq!(m.get("ordered_events_relay_deliveries_total", &[("answer", "accepted")]), 5.0);
     assert_eq!(m.get("ordered_events_relay_deliveries_total", &[("answer", "sequence_conflict")]), 0.0);
     assert_eq!(m.get("ordered_events_transaction_items_sum", &[("writer", "mark")]), 5.0);
+    assert_pool(&m, "relay", 2.0);
     m.save("relay");
     let run = relay.terminate(DEADLINE);
     assert_eq!(run.code, Some(0), "{run:?}");
@@ -108,18 +127,29 @@ async fn metrics_count_what_the_pipeline_answered() {
     assert_eq!(m.get("ordered_events_producer_outbox_unaccepted", &[]), 0.0);
     assert_eq!(m.get("ordered_events_producer_outbox_oldest_unaccepted_age_seconds", &[]), 0.0);
 
-    // Consumer, directly: a gap (G2 without G1), an id conflict and a sequence conflict.
+    // Consumer, directly (envelopes without a committed time, as grpcurl sends them): a gap
+    // (G2 without G1), a flow ready but not applied (R1), an id conflict and a sequence conflict.
     let mut conflicting = envelope("A", 1, "reserved", 1, r#"{"amount":4}"#);
     conflicting.event_id = "A1".into();
     let mut squatter = envelope("A", 2, "confirmed", 1, r#"{"amount":3}"#);
     squatter.event_id = "Z2".into();
     let results = consumer
-        .receive(vec![envelope("G", 2, "confirmed", 1, r#"{"amount":3}"#), conflicting, squatter])
+        .receive(vec![
+            envelope("G", 2, "confirmed", 1, r#"{"amount":3}"#),
+            envelope("R", 1, "reserved", 1, r#"{"amount":3}"#),
+            conflicting,
+            squatter,
+        ])
         .await;
     let outcomes: Vec<_> = results.iter().map(|r| ReceiveOutcome::try_from(r.outcome)).collect();
     assert_eq!(
         outcomes,
-        [Ok(ReceiveOutcome::Accepted), Ok(ReceiveOutcome::IdConflict), Ok(ReceiveOutcome::SequenceConflict)],
+        [
+            Ok(ReceiveOutcome::Accepted),
+            Ok(ReceiveOutcome::Accepted),
+            Ok(ReceiveOutcome::IdConflict),
+            Ok(ReceiveOutcome::SequenceConflict)
+        ],
         "{results:?}"
     );
     let a = consumer.apply("A").await;
@@ -131,7 +161,7 @@ async fn metrics_count_what_the_pipeline_answered() {
 
     let m = Metrics::scrape(&consumer_metrics).await;
     let receive = |outcome| m.get("ordered_events_consumer_receive_total", &[("outcome", outcome)]);
-    assert_eq!(receive("accepted"), 6.0);
+    assert_eq!(receive("accepted"), 7.0);
     assert_eq!(receive("id_conflict"), 1.0);
     assert_eq!(receive("sequence_conflict"), 1.0);
     assert_eq!(receive("duplicate") + receive("rejected") + receive("backlog_full") + receive("error"), 0.0);
@@ -140,11 +170,23 @@ async fn metrics_count_what_the_pipeline_answered() {
     assert_eq!(stops("gap"), 1.0);
     assert_eq!(stops("blocked_unsupported_schema"), 1.0);
     assert_eq!(stops("blocked_invalid_payload") + stops("limit") + stops("error"), 0.0);
-    // B2 (blocked) and G2 (behind the gap) wait.
-    assert_eq!(m.get("ordered_events_consumer_inbox_unapplied", &[]), 2.0);
-    assert_eq!(m.get("ordered_events_consumer_backlog_fill_ratio", &[]), 2.0 / 1_000_000.0);
+    // B2 (blocked), G2 (behind the gap) and R1 (ready) wait.
+    assert_eq!(m.get("ordered_events_consumer_inbox_unapplied", &[]), 3.0);
+    assert_eq!(m.get("ordered_events_consumer_backlog_fill_ratio", &[]), 3.0 / 1_000_000.0);
+    let waiting = |state| m.get("ordered_events_consumer_flows_waiting", &[("state", state)]);
+    assert_eq!(waiting("gap"), 1.0);
+    assert_eq!(waiting("ready"), 1.0);
+    assert_eq!(waiting("blocked_unsupported_schema"), 1.0);
+    assert_eq!(waiting("blocked_invalid_payload") + waiting("blocked_invalid_transition"), 0.0);
+    assert_eq!(m.get("ordered_events_consumer_flows_waiting_walk_truncated", &[]), 0.0);
+    // The four events the relay delivered and Apply applied (A1..A3, B1) carried their
+    // committed time; each is one observation, from its Advance's commit to its Apply.
+    let lag = |what: &str| m.get(&format!("ordered_events_consumer_commit_to_applied_seconds_{what}"), &[]);
+    assert_eq!(lag("count"), 4.0);
+    assert!(lag("sum") > 0.0, "{}", lag("sum"));
     assert_eq!(m.get("ordered_events_transaction_items_sum", &[("writer", "apply")]), 4.0);
-    assert_eq!(m.get("ordered_events_transaction_items_sum", &[("writer", "receive")]), 8.0);
+    assert_eq!(m.get("ordered_events_transaction_items_sum", &[("writer", "receive")]), 9.0);
+    assert_pool(&m, "consumer", 8.0);
     assert!(m.get("ordered_events_transaction_duration_seconds_count", &[("writer", "receive")]) >= 1.0);
     m.save("consumer");
 

@@ -221,6 +221,7 @@ impl Env {
             kind: m.kind,
             schema: m.schema,
             payload_json,
+            committed_at_us: None,
         }
     }
 }
