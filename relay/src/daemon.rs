@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use crate::backoff::Backoff;
 use crate::error::RelayError;
+use crate::lease::Leases;
 use crate::ledger::Ledger;
 use crate::output::Report;
 use crate::pass::{Caps, PassResult, Source, pass};
@@ -54,6 +55,22 @@ pub async fn run(
     report: &mut Report,
     stop: &Stop,
 ) -> Result<(), RelayError> {
+    // On PostgreSQL several relays share the outbox: this one works on the partitions its
+    // leases hold, kept by a heartbeat task; on SQLite it serves the whole outbox alone.
+    let leases = ledger.has_leases().then(|| Leases::new(settings.lease_ttl));
+    let leased_ledger;
+    let ledger = match &leases {
+        Some(leases) => {
+            tracing::info!(
+                instance = leases.instance(), ttl = ?settings.lease_ttl,
+                "sharing the outbox with other relays through partition leases"
+            );
+            leased_ledger = ledger.clone().with_leases(leases.clone());
+            tokio::spawn(leases.clone().keep(ledger.clone(), stop.clone()));
+            &leased_ledger
+        }
+        None => ledger,
+    };
     let mut held: HashMap<String, Waiting> = HashMap::new();
     let mut deferred: HashMap<String, Waiting> = HashMap::new();
     let mut reconnect = Backoff::new(RECONNECT_FIRST, settings.max_backoff);
@@ -61,6 +78,11 @@ pub async fn run(
     let mut session: Option<Session> = None;
     let mut progress = Progress { at: Instant::now(), sent: 0 };
     while !stop.requested() {
+        if let Some(leases) = &leases {
+            // Between passes nothing is in flight: extras over the fair share go back now.
+            leases.release_marked(ledger).await;
+            report.set_partitions(leases.held());
+        }
         progress.maybe_write(report, settings);
         let Some(active) = session.as_mut() else {
             let opened = tokio::select! {
@@ -117,6 +139,10 @@ pub async fn run(
             }
             Err(e) => return Err(e),
         }
+    }
+    if let Some(leases) = &leases {
+        leases.retire(ledger).await;
+        report.set_partitions(0);
     }
     tracing::info!(sent = report.sent(), "relay stopped");
     Ok(())

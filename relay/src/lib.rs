@@ -14,6 +14,7 @@ pub mod daemon;
 pub mod decision;
 pub mod error;
 pub mod identity;
+pub mod lease;
 pub mod ledger;
 pub mod oneshot;
 pub mod output;
@@ -92,6 +93,9 @@ pub struct RunSettings {
     pub delivery_lines: bool,
     /// How often a `progress` line is written when something was delivered since the last.
     pub summary_interval: Duration,
+    /// On PostgreSQL: how long a partition lease lasts unrenewed (the heartbeat renews it
+    /// every third of it); a dead relay's partitions are taken over within about 4/3 of it.
+    pub lease_ttl: Duration,
 }
 
 /// How to reach the consumer and how long it may stay silent.

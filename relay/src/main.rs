@@ -150,6 +150,19 @@ enum ModeArg {
             value_parser = clap::value_parser!(u64).range(100..=86_400_000)
         )]
         summary_interval_ms: u64,
+        /// PostgreSQL only: how long, in milliseconds, a partition lease lasts unrenewed.
+        /// Several `relay run` on one outbox split its 64 partitions through leases renewed
+        /// every third of this; a relay that dies (or freezes) has its partitions taken over
+        /// within ttl + ttl/3 (8 s by default), and a relay that lost a lease can no longer
+        /// record answers under it (fencing).
+        #[arg(
+            long,
+            env = "ORDERED_EVENTS_RELAY_LEASE_TTL_MS",
+            value_name = "MS",
+            default_value_t = relay::lease::DEFAULT_LEASE_TTL_MS,
+            value_parser = clap::value_parser!(u64).range(300..=600_000)
+        )]
+        lease_ttl_ms: u64,
     },
 }
 
@@ -210,12 +223,13 @@ fn config(args: Args) -> Result<relay::Config, Failure> {
         ModeArg::Drain { max_stall_ms } => {
             relay::Mode::Drain(relay::DrainSettings { max_stall: Duration::from_millis(max_stall_ms) })
         }
-        ModeArg::Run { poll_ms, max_backoff_ms, delivery_lines, summary_interval_ms } => {
+        ModeArg::Run { poll_ms, max_backoff_ms, delivery_lines, summary_interval_ms, lease_ttl_ms } => {
             relay::Mode::Run(relay::RunSettings {
                 poll_interval: Duration::from_millis(poll_ms),
                 max_backoff: Duration::from_millis(max_backoff_ms),
                 delivery_lines,
                 summary_interval: Duration::from_millis(summary_interval_ms),
+                lease_ttl: Duration::from_millis(lease_ttl_ms),
             })
         }
     };
