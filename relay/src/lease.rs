@@ -84,29 +84,32 @@ impl Leases {
     }
 
     /// A mark under these leases landed on fewer rows than it carried: the lease row names
-    /// another owner or epoch. Each is dropped (no mark for it until it is taken again).
+    /// another owner or epoch. Said loudly; each still held is dropped (no mark for it until
+    /// it is taken again with a new epoch).
     pub fn drop_fenced(&self, fences: &[Fence]) {
+        let mut refused: Vec<(u16, u64)> = fences.iter().map(|f| (f.partition, f.epoch)).collect();
+        refused.sort_unstable();
+        refused.dedup();
         let dropped: Vec<(u16, u64)> = {
             let mut held = self.lock();
             let mut dropped = Vec::new();
-            for f in fences {
-                if held.get(&f.partition).is_some_and(|h| h.epoch == f.epoch) {
-                    held.remove(&f.partition);
-                    dropped.push((f.partition, f.epoch));
+            for (p, epoch) in &refused {
+                if held.get(p).is_some_and(|h| h.epoch == *epoch) {
+                    held.remove(p);
+                    dropped.push((*p, *epoch));
                 }
             }
             dropped
         };
-        if dropped.is_empty() {
-            return;
-        }
         tracing::error!(
-            instance = %self.instance, partitions = ?dropped,
+            instance = %self.instance, partitions = ?refused,
             "LEASE LOST: a mark under these leases was refused by the fence (another relay took them); \
-             the partitions are dropped and their answers not recorded by this relay (the new owner sends \
-             the rows again)"
+             their answers are not recorded by this relay (the new owner sends the rows again), and the \
+             partitions are dropped until taken again"
         );
-        output::lease_line(&self.instance, "lost", &dropped, self.held());
+        if !dropped.is_empty() {
+            output::lease_line(&self.instance, "lost", &dropped, self.held());
+        }
     }
 
     /// Hands back the leases marked for release (between passes: none of their rows is in

@@ -15,6 +15,7 @@ mod metrics;
 mod model;
 mod producer;
 mod relay;
+mod relay_instances;
 mod relay_liveness;
 mod scenarios;
 mod security;
