@@ -15,7 +15,7 @@ use crate::output::Report;
 use crate::pass::{Caps, PassResult, Source, pass};
 use crate::session::Session;
 use crate::stop::Stop;
-use crate::{Config, RunSettings};
+use crate::{Config, Link, RunSettings};
 
 /// First reconnect pause (the cap is `--max-backoff-ms`).
 const RECONNECT_FIRST: Duration = Duration::from_millis(100);
@@ -71,6 +71,14 @@ pub async fn run(
         }
         None => ledger,
     };
+    // Consumers on one database: start on one chosen by process (so relays spread over
+    // them) and move to the next after a link failure.
+    let links: Vec<Link> = if config.consumers.len() > 1 {
+        config.consumers.iter().map(|url| Link { url: url.clone(), ..config.link.clone() }).collect()
+    } else {
+        vec![config.link.clone()]
+    };
+    let mut current = std::process::id() as usize % links.len();
     let mut held: HashMap<String, Waiting> = HashMap::new();
     let mut deferred: HashMap<String, Waiting> = HashMap::new();
     let mut reconnect = Backoff::new(RECONNECT_FIRST, settings.max_backoff);
@@ -86,13 +94,14 @@ pub async fn run(
         progress.maybe_write(report, settings);
         let Some(active) = session.as_mut() else {
             let opened = tokio::select! {
-                opened = Session::open(&config.link, config.window, Duration::ZERO, ledger) => opened,
+                opened = Session::open(&links[current], config.window, Duration::ZERO, ledger) => opened,
                 () = stop.asked() => break,
             };
             match opened {
                 Ok(s) => session = Some(s),
                 Err(e) if e.is_link_failure() => {
                     link_down(&mut link, &e, settings.max_backoff);
+                    fail_over(&links, &mut current);
                     pause(reconnect.next_wait(), stop).await;
                 }
                 Err(e) => return Err(e),
@@ -110,7 +119,7 @@ pub async fn run(
             Ok(result) => {
                 // The stream carried its answers (or had nothing to carry): the link works.
                 if link != LinkState::Delivering {
-                    tracing::info!(url = %config.link.url, "consumer reachable; delivering");
+                    tracing::info!(url = %links[current].url, "consumer reachable; delivering");
                     link = LinkState::Delivering;
                 }
                 reconnect.reset();
@@ -119,8 +128,9 @@ pub async fn run(
                 if idle {
                     // A consumer restarted on a restored database gives an idle relay no row
                     // to fail on: ask it who it is now and then.
-                    if let Err(e) = active.recheck_identity(&config.link, ledger).await {
+                    if let Err(e) = active.recheck_identity(&links[current], ledger).await {
                         link_down(&mut link, &e, settings.max_backoff);
+                        fail_over(&links, &mut current);
                         session = None;
                         pause(reconnect.next_wait(), stop).await;
                         continue;
@@ -134,6 +144,7 @@ pub async fn run(
             }
             Err(e) if e.is_link_failure() => {
                 link_down(&mut link, &e, settings.max_backoff);
+                fail_over(&links, &mut current);
                 session = None;
                 pause(reconnect.next_wait(), stop).await;
             }
@@ -239,6 +250,14 @@ fn note_waiting_flows(
         }
         (true, true) => tracing::info!("consumer backlog has room again"),
         _ => {}
+    }
+}
+
+/// After a link failure, the next consumer (when there are several).
+fn fail_over(links: &[Link], current: &mut usize) {
+    if links.len() > 1 {
+        *current = (*current + 1) % links.len();
+        tracing::info!(url = %links[*current].url, "failing over to the next consumer");
     }
 }
 

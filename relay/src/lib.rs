@@ -117,8 +117,12 @@ pub struct Link {
 pub struct Config {
     /// The producer database (a SQLite file or a PostgreSQL URL), created by the producer.
     pub producer_db: proto::target::DbTarget,
-    /// The consumer.
+    /// The consumer (the first `--consumer`: the one-shot modes use it alone).
     pub link: Link,
+    /// Every `--consumer` URL, in the order given (the first is `link.url`). `run` spreads
+    /// relays over them and fails over to the next when one fails: every consumer instance on
+    /// one database accepts any envelope.
+    pub consumers: Vec<String>,
     /// The mode and its own settings.
     pub mode: Mode,
     /// Envelopes in flight on the Receive stream before waiting for an answer.

@@ -26,9 +26,18 @@ struct Args {
     /// marks the outbox over the network; it never creates either).
     #[arg(long, env = "ORDERED_EVENTS_PRODUCER_DB", value_name = "FILE|URL", global = true)]
     producer_db: Option<proto::target::DbTarget>,
-    /// The consumer's gRPC URL, e.g. http://127.0.0.1:50052.
-    #[arg(long, env = "ORDERED_EVENTS_CONSUMER_URL", value_name = "URL", global = true)]
-    consumer: Option<String>,
+    /// The consumer's gRPC URL, e.g. http://127.0.0.1:50052. May be given more than once
+    /// (the environment twin: comma-separated) for consumer instances on ONE database: `run`
+    /// starts on one of them (chosen by process, so relays spread) and fails over to the next
+    /// when it is unreachable or stops answering; the one-shot modes use the first.
+    #[arg(
+        long,
+        env = "ORDERED_EVENTS_CONSUMER_URL",
+        value_name = "URL",
+        value_delimiter = ',',
+        global = true
+    )]
+    consumer: Vec<String>,
     /// Envelopes in flight on the stream before waiting for an answer.
     #[arg(long, env = "ORDERED_EVENTS_RELAY_WINDOW", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096), global = true)]
     window: u32,
@@ -211,7 +220,7 @@ impl Failure {
 
 /// Validates the flags into the relay's settings.
 fn config(args: Args) -> Result<relay::Config, Failure> {
-    let (Some(producer_db), Some(url)) = (args.producer_db, args.consumer) else {
+    let (Some(producer_db), Some(url)) = (args.producer_db, args.consumer.first().cloned()) else {
         return Err(Failure::usage(
             "--producer-db (ORDERED_EVENTS_PRODUCER_DB) and --consumer (ORDERED_EVENTS_CONSUMER_URL) are required",
         ));
@@ -253,6 +262,7 @@ fn config(args: Args) -> Result<relay::Config, Failure> {
             tls_ca,
             answer_timeout: Duration::from_millis(args.answer_timeout_ms),
         },
+        consumers: args.consumer,
         mode,
         window: args.window as usize,
         mark_batch: args.mark_batch,

@@ -429,3 +429,46 @@ async fn three_of_each_on_one_database_apply_every_event_once_in_order() {
     let markers: BTreeSet<String> = marks(&work.producer_db()).into_iter().filter_map(|m| m.2).collect();
     assert_eq!(markers.len(), 3, "marked by {markers:?}");
 }
+
+/// `--consumer` twice (two consumer instances on one database): `run` delivers through one;
+/// when that one dies it fails over to the other and delivers everything committed since.
+/// Both backends (several consumers share a SQLite file too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_fails_over_to_another_consumer_on_the_same_database() {
+    let Some(work) = Workdir::for_test() else { return };
+    let producer = Producer::start(&work, &[]);
+    let mut consumers: Vec<Consumer> = (0..2)
+        .map(|i| Consumer::start_on(work.consumer_db(), work.path(&format!("consumer-{i}.log")), false, &[]))
+        .collect();
+    let urls: Vec<String> = consumers.iter().map(|c| c.process.url()).collect();
+    let relay = RelayDaemon::start_command(
+        std::process::Command::new(harness::bin_path("relay")),
+        work.dir.path(),
+        "relay",
+        &producer.db,
+        &urls[0],
+        &["--consumer", &urls[1], "run", "--delivery-lines", "--poll-ms", "20"],
+        &[],
+    );
+    commit_flows(&producer, &["A".to_owned(), "B".to_owned()]).await;
+    wait_for(
+        DEADLINE,
+        || db::outbox(&producer.db).iter().all(|r| r.accepted).then_some(()),
+        || relay.log_text(),
+    );
+    let log = relay.log_text();
+    let used =
+        urls.iter().position(|u| log.contains(&format!("delivering url={u}"))).expect("a consumer was used");
+    consumers[used].process.kill();
+    let more: Vec<String> = (0..20).map(|i| format!("M{i}")).collect();
+    commit_flows(&producer, &more).await;
+    wait_for(
+        DEADLINE,
+        || db::outbox(&producer.db).iter().all(|r| r.accepted).then_some(()),
+        || relay.log_text(),
+    );
+    let log = relay.log_text();
+    assert!(log.contains("failing over to the next consumer"), "{log}");
+    assert!(log.contains(&format!("delivering url={}", urls[1 - used])), "{log}");
+    assert_eq!(db::inbox(&work.consumer_db()).len(), 22);
+}
