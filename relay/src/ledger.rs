@@ -14,6 +14,9 @@ use crate::lease::Leases;
 
 pub use producer::store::Recorded;
 
+/// An answer and its index in the run being recorded.
+type Numbered = (usize, Recorded);
+
 /// The relay's handle on the producer database.
 #[derive(Clone)]
 pub struct Ledger {
@@ -131,7 +134,7 @@ impl Ledger {
             self.store.record_deliveries(answers, consumer_db).await?;
             return Ok(Vec::new());
         };
-        let (current, stale): (Vec<(usize, Recorded)>, Vec<(usize, Recorded)>) = answers
+        let (current, stale): (Vec<Numbered>, Vec<Numbered>) = answers
             .into_iter()
             .enumerate()
             .partition(|(_, a)| a.fence.as_ref().is_none_or(|f| leases.is_current(f)));
