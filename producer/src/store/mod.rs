@@ -528,6 +528,17 @@ impl ProducerStore {
         }
     }
 
+    /// The partition of `flow_id` and its lease row (owner only while the lease is live), on
+    /// PostgreSQL; `None` on SQLite, which has no partitions.
+    pub async fn flow_lease(&self, flow_id: &str) -> Result<Option<LeaseRow>, StoreError> {
+        match self {
+            ProducerStore::Sqlite(_) => Ok(None),
+            ProducerStore::Postgres(s) => {
+                s.flow_lease(proto::partition::flow_partition(flow_id)).await.map(Some)
+            }
+        }
+    }
+
     /// True when several relays can share this outbox through partition leases (PostgreSQL).
     pub fn has_leases(&self) -> bool {
         matches!(self, ProducerStore::Postgres(_))

@@ -494,6 +494,26 @@ impl PgStore {
         Ok(view)
     }
 
+    pub(super) async fn flow_lease(&self, partition: u16) -> Result<LeaseRow, StoreError> {
+        let what = "read a partition's lease";
+        let client = self.client().await?;
+        let stmt = client
+            .prepare_cached(concat!(
+                "SELECT partition, epoch, CASE WHEN expires_at_us >= ",
+                db_now_us!(),
+                " THEN owner END FROM relay_lease WHERE partition = $1"
+            ))
+            .await
+            .map_err(|e| StoreError::from(e).during(what))?;
+        let row = client
+            .query_one(&stmt, &[&(partition as i16)])
+            .await
+            .map_err(|e| StoreError::from(e).during(what))?;
+        let (partition, epoch) = lease_key(&row)?;
+        let owner: Option<String> = row.try_get(2).map_err(corrupt)?;
+        Ok(LeaseRow { partition, free: owner.is_none(), owner, epoch })
+    }
+
     pub(super) async fn lease_acquire(
         &self,
         instance: &str,

@@ -321,6 +321,13 @@ async fn a_killed_relays_partitions_are_delivered_by_another_within_the_bound() 
     let b_id = instance_of(&b).expect("relay b wrote its lease line");
     assert_eq!(owners(&producer.db).get(&b_id), Some(&64), "b holds every partition");
     assert!(marks(&producer.db).iter().all(|m| m.2.as_deref() == Some(b_id.as_str())), "b marked every row");
+    // GetFlow says where a flow lives and who holds it.
+    let flow =
+        producer.client().await.get_flow(pb::GetFlowRequest { flow_id: "K7".into() }).await.expect("GetFlow");
+    let flow = flow.into_inner();
+    assert_eq!(flow.partition, Some(u32::from(proto::partition::flow_partition("K7"))));
+    assert_eq!(flow.lease_owner, b_id);
+    assert!(flow.lease_epoch >= 2, "{flow:?}");
     assert_applied_once(&work, &producer.db);
 }
 
@@ -471,4 +478,10 @@ async fn run_fails_over_to_another_consumer_on_the_same_database() {
     assert!(log.contains("failing over to the next consumer"), "{log}");
     assert!(log.contains(&format!("delivering url={}", urls[1 - used])), "{log}");
     assert_eq!(db::inbox(&work.consumer_db()).len(), 22);
+    // GetFlow names the flow's partition on PostgreSQL only (SQLite's answer is unchanged).
+    let flow =
+        producer.client().await.get_flow(pb::GetFlowRequest { flow_id: "A".into() }).await.expect("GetFlow");
+    let expected =
+        (work.backend() == Backend::Postgres).then(|| u32::from(proto::partition::flow_partition("A")));
+    assert_eq!(flow.into_inner().partition, expected);
 }
