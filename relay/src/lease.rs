@@ -65,6 +65,11 @@ impl Leases {
         self.lock().iter().filter(|(_, h)| !h.releasing && h.valid_until > now).map(|(p, _)| *p).collect()
     }
 
+    /// Every partition this relay holds (those being handed back included).
+    pub fn held_partitions(&self) -> Vec<u16> {
+        self.lock().keys().copied().collect()
+    }
+
     /// How many partitions this relay holds.
     pub fn held(&self) -> usize {
         self.lock().len()
@@ -157,8 +162,14 @@ impl Leases {
         let every = self.ttl / 3;
         let mut failing = false;
         while !stop.requested() {
+            // Short of its share, a relay looks again soon: partitions another relay hands
+            // back for it are then idle for a moment only, not a whole heartbeat.
+            let mut wait = every;
             match self.beat(&ledger).await {
-                Ok(()) => {
+                Ok(short) => {
+                    if short {
+                        wait = (every / 8).max(Duration::from_millis(50));
+                    }
                     if failing {
                         tracing::info!("lease heartbeat works again");
                     }
@@ -175,14 +186,14 @@ impl Leases {
                 }
             }
             tokio::select! {
-                () = tokio::time::sleep(every) => {}
+                () = tokio::time::sleep(wait) => {}
                 () = stop.asked() => {}
             }
         }
     }
 
-    /// One heartbeat.
-    async fn beat(&self, ledger: &Ledger) -> Result<(), StoreError> {
+    /// One heartbeat. True when the relay still holds fewer partitions than its share.
+    async fn beat(&self, ledger: &Ledger) -> Result<bool, StoreError> {
         let began = Instant::now();
         let held: Vec<(u16, u64)> = self.lock().iter().map(|(p, h)| (*p, h.epoch)).collect();
         let ttl_us = i64::try_from(self.ttl.as_micros()).unwrap_or(i64::MAX);
@@ -234,7 +245,7 @@ impl Leases {
                 }
             }
         }
-        Ok(())
+        Ok(self.held() < target)
     }
 
     /// Applies a heartbeat's renewals; returns the leases it did not renew (lost).

@@ -178,14 +178,34 @@ impl Ledger {
         *runtime::blocking::lock(&self.consumer_db) = consumer_db;
     }
 
+    /// The partitions whose rows only this relay marks now (under leases; `None` without):
+    /// taken before asking the consumer who it is, and passed to [`Ledger::resend_lost`].
+    pub fn judged_partitions(&self) -> Option<Vec<u16>> {
+        self.leases.as_ref().map(Leases::held_partitions)
+    }
+
     /// In ONE transaction: what `consumer_db` (whose history reaches `highest_position`)
     /// lacks of what the outbox recorded as accepted, marked unaccepted again so it is sent
-    /// again. Returns what was found (and unmarked).
+    /// again. Returns what was found (and unmarked). Under leases, only the rows of
+    /// `judged` (held before the consumer was asked) still held now are judged: another
+    /// relay's rows may be marked, at higher positions, between the consumer's answer and
+    /// this read, which would look like a restored consumer.
     pub async fn resend_lost(
         &self,
         consumer_db: String,
         highest_position: u64,
+        judged: Option<Vec<u16>>,
     ) -> Result<LostRows, StoreError> {
-        self.store.resend_lost(consumer_db, highest_position).await
+        match (&self.leases, judged) {
+            (Some(leases), Some(before)) => {
+                let now = leases.held_partitions();
+                let held: Vec<u16> = before.into_iter().filter(|p| now.contains(p)).collect();
+                if held.is_empty() {
+                    return Ok(LostRows::default());
+                }
+                self.store.resend_lost_in(consumer_db, highest_position, held).await
+            }
+            _ => self.store.resend_lost(consumer_db, highest_position).await,
+        }
     }
 }

@@ -623,7 +623,23 @@ impl ProducerStore {
     ) -> Result<LostRows, StoreError> {
         match self {
             ProducerStore::Sqlite(s) => s.resend_lost(consumer_db, highest_position).await,
-            ProducerStore::Postgres(s) => s.resend_lost(consumer_db, highest_position).await,
+            ProducerStore::Postgres(s) => s.resend_lost(consumer_db, highest_position, None).await,
+        }
+    }
+
+    /// [`ProducerStore::resend_lost`] over the rows of `partitions` only (PostgreSQL): what a
+    /// relay under leases checks, since only it marks those rows while it asks its consumer.
+    pub async fn resend_lost_in(
+        &self,
+        consumer_db: String,
+        highest_position: u64,
+        partitions: Vec<u16>,
+    ) -> Result<LostRows, StoreError> {
+        match self {
+            ProducerStore::Sqlite(_) => Err(StoreError::NotSupported(LEASES_NEED_POSTGRES)),
+            ProducerStore::Postgres(s) => {
+                s.resend_lost(consumer_db, highest_position, Some(partitions)).await
+            }
         }
     }
 }

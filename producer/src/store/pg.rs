@@ -595,12 +595,16 @@ impl PgStore {
         .await
     }
 
+    /// `partitions`: only rows of these (a relay under leases judges only the rows it alone
+    /// marks; another relay may mark its own rows while this one asks its consumer).
     pub(super) async fn resend_lost(
         &self,
         consumer_db: String,
         highest_position: u64,
+        partitions: Option<Vec<u16>>,
     ) -> Result<LostRows, StoreError> {
         let client = self.client().await?;
+        let partitions: Option<Vec<i16>> = partitions.map(|ps| ps.iter().map(|&p| p as i16).collect());
         let highest = seq_param(highest_position)?;
         let consumer_db = consumer_db.as_str();
         retrying(client, "unmark rows the consumer lost", async |client: &Conn| {
@@ -608,19 +612,22 @@ impl PgStore {
                 let other = client
                     .prepare_cached(
                         "SELECT count(*) FROM outbox
-                         WHERE accepted = 1 AND accepted_by IS NOT NULL AND accepted_by <> $1",
+                         WHERE accepted = 1 AND accepted_by IS NOT NULL AND accepted_by <> $1
+                           AND ($2::smallint[] IS NULL OR partition = ANY($2))",
                     )
                     .await?;
                 let beyond = client
                     .prepare_cached(
                         "SELECT count(*) FROM outbox
-                         WHERE accepted = 1 AND accepted_by = $1 AND accepted_position > $2",
+                         WHERE accepted = 1 AND accepted_by = $1 AND accepted_position > $2
+                           AND ($3::smallint[] IS NULL OR partition = ANY($3))",
                     )
                     .await?;
                 let highest_recorded = client
                     .prepare_cached(
                         "SELECT coalesce(max(accepted_position), 0) FROM outbox
-                         WHERE accepted = 1 AND accepted_by = $1",
+                         WHERE accepted = 1 AND accepted_by = $1
+                           AND ($2::smallint[] IS NULL OR partition = ANY($2))",
                     )
                     .await?;
                 let sample = client
@@ -628,12 +635,13 @@ impl PgStore {
                         "SELECT event_id FROM outbox
                          WHERE accepted = 1 AND accepted_by IS NOT NULL
                            AND (accepted_by <> $1 OR accepted_position > $2)
+                           AND ($3::smallint[] IS NULL OR partition = ANY($3))
                          ORDER BY flow_id, seq LIMIT 5",
                     )
                     .await?;
                 // BEGIN and the four reads in one round trip, one transaction with the unmark.
-                let by: Params<'_, 1> = [&consumer_db];
-                let by_beyond: Params<'_, 2> = [&consumer_db, &highest];
+                let by: Params<'_, 2> = [&consumer_db, &partitions];
+                let by_beyond: Params<'_, 3> = [&consumer_db, &highest, &partitions];
                 let (begun, other, beyond, recorded, sample) = futures::join!(
                     client.batch_execute("BEGIN"),
                     client.query_one(&other, &by),
@@ -661,10 +669,13 @@ impl PgStore {
                         "UPDATE outbox SET accepted = 0, accepted_at_us = NULL, accepted_by = NULL,
                              accepted_position = NULL, last_outcome = $3
                          WHERE accepted = 1 AND accepted_by IS NOT NULL
-                           AND (accepted_by <> $1 OR accepted_position > $2)",
+                           AND (accepted_by <> $1 OR accepted_position > $2)
+                           AND ($4::smallint[] IS NULL OR partition = ANY($4))",
                     )
                     .await?;
-                let unmarked = client.execute(&unmark, &[&consumer_db, &highest, &LOST_BY_CONSUMER]).await?;
+                let unmarked = client
+                    .execute(&unmark, &[&consumer_db, &highest, &LOST_BY_CONSUMER, &partitions])
+                    .await?;
                 commit_with_backlog(client, i64::try_from(unmarked).unwrap_or(i64::MAX)).await?;
                 Ok(lost)
             }
