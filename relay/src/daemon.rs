@@ -59,6 +59,7 @@ pub async fn run(
     // leases hold, kept by a heartbeat task; on SQLite it serves the whole outbox alone.
     let leases = ledger.has_leases().then(|| Leases::new(settings.lease_ttl));
     let leased_ledger;
+    let mut keeper = None;
     let ledger = match &leases {
         Some(leases) => {
             tracing::info!(
@@ -66,7 +67,7 @@ pub async fn run(
                 "sharing the outbox with other relays through partition leases"
             );
             leased_ledger = ledger.clone().with_leases(leases.clone());
-            tokio::spawn(leases.clone().keep(ledger.clone(), stop.clone()));
+            keeper = Some(tokio::spawn(leases.clone().keep(ledger.clone(), stop.clone())));
             &leased_ledger
         }
         None => ledger,
@@ -152,6 +153,11 @@ pub async fn run(
         }
     }
     if let Some(leases) = &leases {
+        // The heartbeat ends first (it sees the stop), so no beat takes a lease after the
+        // release; a beat stuck on the database is not waited for long.
+        if let Some(keeper) = keeper {
+            let _ = tokio::time::timeout(Duration::from_secs(2), keeper).await;
+        }
         leases.retire(ledger).await;
         report.set_partitions(0);
     }
