@@ -239,6 +239,17 @@ async fn a_frozen_relay_cannot_mark_after_its_partitions_were_taken_over() {
         },
         || a.log_text(),
     );
+    // Which guard kept the late answers out (both must): the database's fence, or the
+    // relay's own view after its heartbeat found the leases gone first.
+    let path = if a.log_text().contains("refused by the fence") {
+        "the fence in the mark statement"
+    } else {
+        "the relay's lease view"
+    };
+    let _ = std::io::Write::write_all(
+        &mut std::io::stderr(),
+        format!("late answers kept out by {path}\n").as_bytes(),
+    );
     // The epochs A lost: everything it took before the freeze (all at epoch 1 on a fresh
     // database). No row gained a mark by A under them.
     let after = marks(&producer.db);
