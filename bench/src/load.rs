@@ -105,13 +105,17 @@ fn merge(into: &mut LoadResult, part: LoadResult) {
 
 /// Drives `flows` flows named `prefix…` through the producer at `url`.
 pub async fn drive(
-    url: &str,
+    urls: &[String],
     prefix: &str,
     flows: usize,
     load: Load,
     connections: usize,
 ) -> anyhow::Result<LoadResult> {
-    let channels = channels(url, connections).await?;
+    // `connections` to each producer; callers take them in turn, so the load is spread.
+    let mut channels = Vec::new();
+    for url in urls {
+        channels.extend(self::channels(url, connections).await?);
+    }
     let mut total = LoadResult { first_send_us: now_us(), ..LoadResult::default() };
     match load {
         Load::Closed { clients } => {

@@ -119,6 +119,11 @@ struct Args {
     /// `target/release`) instead of this checkout's `target/release`.
     #[arg(long, value_name = "DIR")]
     bin_dir: Option<PathBuf>,
+    /// Run N producers, N consumers and N relays on the one database (PostgreSQL only): the
+    /// load is spread over the producers, each relay talks to its own consumer, and the
+    /// processes' CPU is summed per kind.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=16))]
+    instances: u32,
 }
 
 impl Args {
@@ -163,6 +168,10 @@ async fn main() -> ExitCode {
 
 async fn bench(args: Args) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(args.flows() > 0 && args.clients > 0, "--flows and --clients must be at least 1");
+    anyhow::ensure!(
+        args.instances == 1 || args.backend == Backend::Postgres,
+        "--instances above 1 needs --backend postgres (on SQLite one relay serves an outbox)"
+    );
     let base = args.dir.clone().unwrap_or_else(std::env::temp_dir);
     std::fs::create_dir_all(&base)?;
     let caps = Caps {
@@ -296,7 +305,9 @@ async fn run_one(args: &Args, base: &std::path::Path, spec: &RunSpec) -> anyhow:
     let pipeline = {
         let (path, dbs, caps, launcher) =
             (dir.path().to_owned(), databases.clone(), spec.caps.clone(), args.launcher());
-        tokio::task::spawn_blocking(move || Pipeline::start(&path, &dbs, &caps, &launcher)).await??
+        let instances = args.instances as usize;
+        tokio::task::spawn_blocking(move || Pipeline::start(&path, &dbs, &caps, &launcher, instances))
+            .await??
     };
     let server_cpu_before = match &pg {
         None => None,
@@ -311,7 +322,7 @@ async fn run_one(args: &Args, base: &std::path::Path, spec: &RunSpec) -> anyhow:
         false => None,
     };
     let bench_cpu_before = pipeline::proc_stats("self").cpu_seconds;
-    let load = load::drive(&pipeline.producer.url(), "f", spec.flows, spec.load, args.connections).await?;
+    let load = load::drive(&pipeline.producer_urls(), "f", spec.flows, spec.load, args.connections).await?;
     anyhow::ensure!(
         load.unexpected.is_empty(),
         "{}: {} Advance calls were not committed, e.g. {:?}",
@@ -386,6 +397,7 @@ async fn run_one(args: &Args, base: &std::path::Path, spec: &RunSpec) -> anyhow:
     if let Some(scrapes) = scrapes {
         run["metrics_scrapes"] = scrapes;
     }
+    run["config"]["instances"] = json!(args.instances);
     if let Some(cpu) = server_cpu_seconds {
         run["processes"]["postgres_server"] = json!({
             "cpu_seconds": (cpu * 1000.0).round() / 1000.0,

@@ -144,11 +144,13 @@ pub fn proc_stats(pid: &str) -> ProcStats {
     }
 }
 
-/// The three processes of one run.
+/// The three processes of one run (the first instance of each with `--instances`).
 pub struct Pipeline {
     pub producer: ServerProcess,
     pub consumer: ServerProcess,
     pub relay: RelayDaemon,
+    /// Instances 2..N: (producer, consumer, relay) on the same database.
+    pub extra: Vec<(ServerProcess, ServerProcess, RelayDaemon)>,
     stop_deadline: Duration,
 }
 
@@ -243,7 +245,30 @@ impl Pipeline {
         databases: &Databases,
         caps: &Caps,
         launcher: &Launcher,
+        instances: usize,
     ) -> anyhow::Result<Pipeline> {
+        let first = Self::start_instance(dir, databases, caps, launcher, "")?;
+        let mut extra = Vec::new();
+        for i in 2..=instances {
+            extra.push(Self::start_instance(dir, databases, caps, launcher, &format!("-{i}"))?);
+        }
+        let (producer, consumer, relay) = first;
+        Ok(Pipeline { producer, consumer, relay, extra, stop_deadline: launcher.stop_deadline() })
+    }
+
+    /// Every producer's URL (the load is spread over them).
+    pub fn producer_urls(&self) -> Vec<String> {
+        std::iter::once(&self.producer).chain(self.extra.iter().map(|e| &e.0)).map(|p| p.url()).collect()
+    }
+
+    /// One producer, consumer and relay; `suffix` names their logs apart.
+    fn start_instance(
+        dir: &Path,
+        databases: &Databases,
+        caps: &Caps,
+        launcher: &Launcher,
+        suffix: &str,
+    ) -> anyhow::Result<(ServerProcess, ServerProcess, RelayDaemon)> {
         let producer_db = databases.producer_arg();
         let consumer_db = databases.consumer_arg();
         let metrics: &[&str] = if caps.metrics { &["--metrics-listen", "127.0.0.1:0"] } else { &[] };
@@ -253,7 +278,7 @@ impl Pipeline {
                 name,
                 args,
                 &[],
-                dir.join(format!("{name}.log")),
+                dir.join(format!("{name}{suffix}.log")),
                 launcher.start_deadline(),
             )
             .map_err(anyhow::Error::msg)
@@ -316,13 +341,13 @@ impl Pipeline {
         let relay = RelayDaemon::start_command(
             launcher.command(dir, "relay")?,
             dir,
-            "relay",
+            &format!("relay{suffix}"),
             &databases.producer_target(),
             &consumer.url(),
             &relay_args,
             launcher.relay_env(),
         );
-        Ok(Pipeline { producer, consumer, relay, stop_deadline: launcher.stop_deadline() })
+        Ok((producer, consumer, relay))
     }
 
     /// The three processes' metrics addresses (from their `metrics serving` log lines),
@@ -347,9 +372,24 @@ impl Pipeline {
     /// Reads every process's `/proc` figures, then stops them all (SIGTERM, relay first).
     pub fn stop(mut self) -> Stopped {
         let stats = |pid: Option<u32>| pid.map(|p| proc_stats(&p.to_string())).unwrap_or_default();
-        let producer = stats(self.producer.pid());
-        let consumer = stats(self.consumer.pid());
-        let relay = stats(self.relay.pid());
+        let mut producer = stats(self.producer.pid());
+        let mut consumer = stats(self.consumer.pid());
+        let mut relay = stats(self.relay.pid());
+        // Further instances: CPU summed per kind, the peak RSS the largest one's.
+        for (p, c, r) in self.extra.drain(..) {
+            for (sum, one) in [
+                (&mut producer, stats(p.pid())),
+                (&mut consumer, stats(c.pid())),
+                (&mut relay, stats(r.pid())),
+            ] {
+                sum.cpu_seconds += one.cpu_seconds;
+                sum.peak_rss_mib = sum.peak_rss_mib.max(one.peak_rss_mib);
+            }
+            let _ = r.terminate(self.stop_deadline);
+            let (mut p, mut c) = (p, c);
+            p.terminate(self.stop_deadline);
+            c.terminate(self.stop_deadline);
+        }
         let relay_log = self.relay.log_text();
         let run = self.relay.terminate(self.stop_deadline);
         let relay_summary =

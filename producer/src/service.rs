@@ -163,7 +163,11 @@ impl pb::producer_server::Producer for ProducerService {
         proto::limits::check_token("flow_id", &flow_id, proto::limits::MAX_ID_BYTES)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let (flow, rows) = self.store.flow(flow_id.clone()).await?;
+        let lease = self.store.flow_lease(&flow_id).await?;
         Ok(Response::new(pb::ProducerFlow {
+            partition: lease.as_ref().map(|l| u32::from(l.partition)),
+            lease_owner: lease.as_ref().and_then(|l| l.owner.clone()).unwrap_or_default(),
+            lease_epoch: lease.as_ref().filter(|l| l.owner.is_some()).map_or(0, |l| l.epoch),
             flow_id,
             seq: flow.seq,
             state: flow.state.as_str().to_owned(),

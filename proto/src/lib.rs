@@ -10,6 +10,7 @@ pub mod crash;
 pub mod db;
 pub mod flow;
 pub mod limits;
+pub mod partition;
 pub mod pg;
 pub mod target;
 

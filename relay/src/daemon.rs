@@ -9,12 +9,13 @@ use std::time::{Duration, Instant};
 
 use crate::backoff::Backoff;
 use crate::error::RelayError;
+use crate::lease::Leases;
 use crate::ledger::Ledger;
 use crate::output::Report;
 use crate::pass::{Caps, PassResult, Source, pass};
 use crate::session::Session;
 use crate::stop::Stop;
-use crate::{Config, RunSettings};
+use crate::{Config, Link, RunSettings};
 
 /// First reconnect pause (the cap is `--max-backoff-ms`).
 const RECONNECT_FIRST: Duration = Duration::from_millis(100);
@@ -54,6 +55,31 @@ pub async fn run(
     report: &mut Report,
     stop: &Stop,
 ) -> Result<(), RelayError> {
+    // On PostgreSQL several relays share the outbox: this one works on the partitions its
+    // leases hold, kept by a heartbeat task; on SQLite it serves the whole outbox alone.
+    let leases = ledger.has_leases().then(|| Leases::new(settings.lease_ttl));
+    let leased_ledger;
+    let mut keeper = None;
+    let ledger = match &leases {
+        Some(leases) => {
+            tracing::info!(
+                instance = leases.instance(), ttl = ?settings.lease_ttl,
+                "sharing the outbox with other relays through partition leases"
+            );
+            leased_ledger = ledger.clone().with_leases(leases.clone());
+            keeper = Some(tokio::spawn(leases.clone().keep(ledger.clone(), stop.clone())));
+            &leased_ledger
+        }
+        None => ledger,
+    };
+    // Consumers on one database: start on one chosen by process (so relays spread over
+    // them) and move to the next after a link failure.
+    let links: Vec<Link> = if config.consumers.len() > 1 {
+        config.consumers.iter().map(|url| Link { url: url.clone(), ..config.link.clone() }).collect()
+    } else {
+        vec![config.link.clone()]
+    };
+    let mut current = std::process::id() as usize % links.len();
     let mut held: HashMap<String, Waiting> = HashMap::new();
     let mut deferred: HashMap<String, Waiting> = HashMap::new();
     let mut reconnect = Backoff::new(RECONNECT_FIRST, settings.max_backoff);
@@ -61,16 +87,22 @@ pub async fn run(
     let mut session: Option<Session> = None;
     let mut progress = Progress { at: Instant::now(), sent: 0 };
     while !stop.requested() {
+        if let Some(leases) = &leases {
+            // Between passes nothing is in flight: extras over the fair share go back now.
+            leases.release_marked(ledger).await;
+            report.set_partitions(leases.held());
+        }
         progress.maybe_write(report, settings);
         let Some(active) = session.as_mut() else {
             let opened = tokio::select! {
-                opened = Session::open(&config.link, config.window, Duration::ZERO, ledger) => opened,
+                opened = Session::open(&links[current], config.window, Duration::ZERO, ledger) => opened,
                 () = stop.asked() => break,
             };
             match opened {
                 Ok(s) => session = Some(s),
                 Err(e) if e.is_retried_by_run() => {
                     link_down(&mut link, &e, settings.max_backoff);
+                    fail_over(&links, &mut current);
                     pause(reconnect.next_wait(), stop).await;
                 }
                 Err(e) => return Err(e),
@@ -88,7 +120,7 @@ pub async fn run(
             Ok(result) => {
                 // The stream carried its answers (or had nothing to carry): the link works.
                 if link != LinkState::Delivering {
-                    tracing::info!(url = %config.link.url, "consumer reachable; delivering");
+                    tracing::info!(url = %links[current].url, "consumer reachable; delivering");
                     link = LinkState::Delivering;
                 }
                 reconnect.reset();
@@ -97,8 +129,9 @@ pub async fn run(
                 if idle {
                     // A consumer restarted on a restored database gives an idle relay no row
                     // to fail on: ask it who it is now and then.
-                    if let Err(e) = active.recheck_identity(&config.link, ledger).await {
+                    if let Err(e) = active.recheck_identity(&links[current], ledger).await {
                         link_down(&mut link, &e, settings.max_backoff);
+                        fail_over(&links, &mut current);
                         session = None;
                         pause(reconnect.next_wait(), stop).await;
                         continue;
@@ -112,11 +145,21 @@ pub async fn run(
             }
             Err(e) if e.is_retried_by_run() => {
                 link_down(&mut link, &e, settings.max_backoff);
+                fail_over(&links, &mut current);
                 session = None;
                 pause(reconnect.next_wait(), stop).await;
             }
             Err(e) => return Err(e),
         }
+    }
+    if let Some(leases) = &leases {
+        // The heartbeat ends first (it sees the stop), so no beat takes a lease after the
+        // release; a beat stuck on the database is not waited for long.
+        if let Some(keeper) = keeper {
+            let _ = tokio::time::timeout(Duration::from_secs(2), keeper).await;
+        }
+        leases.retire(ledger).await;
+        report.set_partitions(0);
     }
     tracing::info!(sent = report.sent(), "relay stopped");
     Ok(())
@@ -216,6 +259,14 @@ fn note_waiting_flows(
         }
         (true, true) => tracing::info!("consumer backlog has room again"),
         _ => {}
+    }
+}
+
+/// After a link failure, the next consumer (when there are several).
+fn fail_over(links: &[Link], current: &mut usize) {
+    if links.len() > 1 {
+        *current = (*current + 1) % links.len();
+        tracing::info!(url = %links[*current].url, "failing over to the next consumer");
     }
 }
 

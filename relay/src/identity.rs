@@ -27,6 +27,7 @@ pub async fn check_consumer_history(
     link: &Link,
 ) -> Result<(), RelayError> {
     let producer_database_id = ledger.producer_id().await?;
+    let judged = ledger.judged_partitions();
     let mut client = ConsumerClient::with_interceptor(channel, SendToken::new(link.token.as_deref()));
     // A stopped consumer must fail the check, not hang it: the same bound as opening a stream.
     let asked = client.identify(pb::IdentifyRequest { producer_database_id: producer_database_id.clone() });
@@ -46,7 +47,8 @@ pub async fn check_consumer_history(
         }
         Err(status) => return Err(RelayError::Stream(format!("identify: {status}"))),
     };
-    let lost = ledger.resend_lost(identity.database_id.clone(), identity.highest_inbox_position).await?;
+    let lost =
+        ledger.resend_lost(identity.database_id.clone(), identity.highest_inbox_position, judged).await?;
     if lost.other_database > 0 {
         tracing::error!(
             consumer_database_id = %identity.database_id,

@@ -5,15 +5,20 @@
 
 use std::sync::{Arc, Mutex};
 
-use producer::store::{LostRows, OutboxRecord, ProducerStore, Role, StoreError};
+use producer::store::{Fence, LeaseView, LostRows, OutboxRecord, ProducerStore, Role, StoreError};
 use proto::crash::CrashSwitch;
 use proto::target::DbTarget;
 use runtime::OpenError;
+
+use crate::lease::Leases;
 
 pub use producer::store::Recorded;
 
 /// The store the relay opened, for the metrics scrape's pool gauges.
 pub(crate) static LEDGER_STORE: std::sync::OnceLock<ProducerStore> = std::sync::OnceLock::new();
+
+/// An answer and its index in the run being recorded.
+type Numbered = (usize, Recorded);
 
 /// The relay's handle on the producer database.
 #[derive(Clone)]
@@ -22,6 +27,8 @@ pub struct Ledger {
     /// The consumer database the open session talks to (set by `identity` when the session
     /// opens; `None` for a consumer that cannot say), recorded on every accepted row.
     consumer_db: Arc<Mutex<Option<String>>>,
+    /// `run` on PostgreSQL: the partitions this relay holds; it reads and marks only theirs.
+    leases: Option<Leases>,
 }
 
 impl Ledger {
@@ -31,7 +38,77 @@ impl Ledger {
         let store = ProducerStore::open(target, Role::Relay, crash).await?;
         // The metrics scrape reads the pool's state (the first ledger's: a relay opens one).
         let _ = LEDGER_STORE.set(store.clone());
-        Ok(Ledger { store, consumer_db: Arc::new(Mutex::new(None)) })
+        Ok(Ledger { store, consumer_db: Arc::new(Mutex::new(None)), leases: None })
+    }
+
+    /// True when several relays can share this outbox through partition leases (PostgreSQL).
+    pub fn has_leases(&self) -> bool {
+        self.store.has_leases()
+    }
+
+    /// This ledger, reading and marking only the rows of the partitions `leases` holds.
+    pub fn with_leases(mut self, leases: Leases) -> Ledger {
+        self.leases = Some(leases);
+        self
+    }
+
+    /// The next page of work: up to `limit` unaccepted rows after `cursor` in `(flow_id, seq)`
+    /// order, of the held partitions only when the relay works under leases.
+    pub async fn work_after(
+        &self,
+        cursor: (String, u64),
+        limit: usize,
+    ) -> Result<Vec<OutboxRecord>, StoreError> {
+        match &self.leases {
+            None => self.store.unaccepted_after(cursor, limit).await,
+            Some(leases) => {
+                let partitions = leases.readable();
+                if partitions.is_empty() {
+                    return Ok(Vec::new());
+                }
+                self.store.unaccepted_in(cursor, limit, partitions).await
+            }
+        }
+    }
+
+    /// The fencing token a row is sent under: `Ok(None)` without leases, `Err(())` when its
+    /// partition is not (or no longer) held: the row is not this relay's to send.
+    #[allow(clippy::result_unit_err)]
+    pub fn fence_for(&self, row: &OutboxRecord) -> Result<Option<Fence>, ()> {
+        match &self.leases {
+            None => Ok(None),
+            Some(leases) => leases.fence(proto::partition::flow_partition(&row.flow_id)).map(Some).ok_or(()),
+        }
+    }
+
+    /// A relay heartbeat (see [`ProducerStore::lease_heartbeat`]).
+    pub async fn lease_heartbeat(
+        &self,
+        instance: &str,
+        ttl_us: i64,
+        held: Vec<(u16, u64)>,
+    ) -> Result<LeaseView, StoreError> {
+        self.store.lease_heartbeat(instance, ttl_us, held).await
+    }
+
+    /// Takes free leases (see [`ProducerStore::lease_acquire`]).
+    pub async fn lease_acquire(
+        &self,
+        instance: &str,
+        ttl_us: i64,
+        partitions: Vec<u16>,
+    ) -> Result<Vec<(u16, u64)>, StoreError> {
+        self.store.lease_acquire(instance, ttl_us, partitions).await
+    }
+
+    /// Hands leases back (see [`ProducerStore::lease_release`]).
+    pub async fn lease_release(
+        &self,
+        instance: &str,
+        leases: Vec<(u16, u64)>,
+        retire: bool,
+    ) -> Result<Vec<u16>, StoreError> {
+        self.store.lease_release(instance, leases, retire).await
     }
 
     /// Up to `limit` unaccepted rows after `cursor`, in `(flow_id, seq)` order.
@@ -52,9 +129,42 @@ impl Ledger {
     /// send); marks a row accepted when its answer holds the event. Crash points
     /// `relay.after_mark` (written, not committed) and `relay.after_mark_commit` sit on the
     /// marking path only: a run with no accepted answer reaches neither.
-    pub async fn record(&self, answers: Vec<Recorded>) -> Result<(), StoreError> {
+    ///
+    /// Under leases, answers of partitions no longer held are not recorded, and a mark the
+    /// fence refused drops its partitions ([`Leases::drop_fenced`]). Returns the indexes of
+    /// `answers` that were not recorded.
+    pub async fn record(&self, answers: Vec<Recorded>) -> Result<Vec<usize>, StoreError> {
         let consumer_db = runtime::blocking::lock(&self.consumer_db).clone();
-        self.store.record_deliveries(answers, consumer_db).await
+        let Some(leases) = &self.leases else {
+            self.store.record_deliveries(answers, consumer_db).await?;
+            return Ok(Vec::new());
+        };
+        let (current, stale): (Vec<Numbered>, Vec<Numbered>) = answers
+            .into_iter()
+            .enumerate()
+            .partition(|(_, a)| a.fence.as_ref().is_none_or(|f| leases.is_current(f)));
+        if !stale.is_empty() {
+            tracing::info!(
+                answers = stale.len(),
+                "answers for partitions this relay no longer holds are not recorded (their new owner sends the rows again)"
+            );
+        }
+        let mut not_recorded: Vec<usize> = stale.iter().map(|(i, _)| *i).collect();
+        let fences: Vec<Option<Fence>> = current.iter().map(|(_, a)| a.fence.clone()).collect();
+        let indexes: Vec<usize> = current.iter().map(|(i, _)| *i).collect();
+        let fenced =
+            self.store.record_deliveries(current.into_iter().map(|(_, a)| a).collect(), consumer_db).await?;
+        if !fenced.is_empty() {
+            let refused: Vec<Fence> =
+                fences.iter().flatten().filter(|f| fenced.contains(&f.partition)).cloned().collect();
+            leases.drop_fenced(&refused);
+            for (i, fence) in indexes.iter().zip(&fences) {
+                if fence.as_ref().is_some_and(|f| fenced.contains(&f.partition)) {
+                    not_recorded.push(*i);
+                }
+            }
+        }
+        Ok(not_recorded)
     }
 
     /// Counts one send of each of `event_ids` that got no answer, in ONE transaction: the
@@ -73,14 +183,34 @@ impl Ledger {
         *runtime::blocking::lock(&self.consumer_db) = consumer_db;
     }
 
+    /// The partitions whose rows only this relay marks now (under leases; `None` without):
+    /// taken before asking the consumer who it is, and passed to [`Ledger::resend_lost`].
+    pub fn judged_partitions(&self) -> Option<Vec<u16>> {
+        self.leases.as_ref().map(Leases::held_partitions)
+    }
+
     /// In ONE transaction: what `consumer_db` (whose history reaches `highest_position`)
     /// lacks of what the outbox recorded as accepted, marked unaccepted again so it is sent
-    /// again. Returns what was found (and unmarked).
+    /// again. Returns what was found (and unmarked). Under leases, only the rows of
+    /// `judged` (held before the consumer was asked) still held now are judged: another
+    /// relay's rows may be marked, at higher positions, between the consumer's answer and
+    /// this read, which would look like a restored consumer.
     pub async fn resend_lost(
         &self,
         consumer_db: String,
         highest_position: u64,
+        judged: Option<Vec<u16>>,
     ) -> Result<LostRows, StoreError> {
-        self.store.resend_lost(consumer_db, highest_position).await
+        match (&self.leases, judged) {
+            (Some(leases), Some(before)) => {
+                let now = leases.held_partitions();
+                let held: Vec<u16> = before.into_iter().filter(|p| now.contains(p)).collect();
+                if held.is_empty() {
+                    return Ok(LostRows::default());
+                }
+                self.store.resend_lost_in(consumer_db, highest_position, held).await
+            }
+            _ => self.store.resend_lost(consumer_db, highest_position).await,
+        }
     }
 }

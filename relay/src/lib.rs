@@ -14,6 +14,7 @@ pub mod daemon;
 pub mod decision;
 pub mod error;
 pub mod identity;
+pub mod lease;
 pub mod ledger;
 pub mod oneshot;
 pub mod output;
@@ -92,6 +93,9 @@ pub struct RunSettings {
     pub delivery_lines: bool,
     /// How often a `progress` line is written when something was delivered since the last.
     pub summary_interval: Duration,
+    /// On PostgreSQL: how long a partition lease lasts unrenewed (the heartbeat renews it
+    /// every third of it); a dead relay's partitions are taken over within about 4/3 of it.
+    pub lease_ttl: Duration,
 }
 
 /// How to reach the consumer and how long it may stay silent.
@@ -113,8 +117,12 @@ pub struct Link {
 pub struct Config {
     /// The producer database (a SQLite file or a PostgreSQL URL), created by the producer.
     pub producer_db: proto::target::DbTarget,
-    /// The consumer.
+    /// The consumer (the first `--consumer`: the one-shot modes use it alone).
     pub link: Link,
+    /// Every `--consumer` URL, in the order given (the first is `link.url`). `run` spreads
+    /// relays over them and fails over to the next when one fails: every consumer instance on
+    /// one database accepts any envelope.
+    pub consumers: Vec<String>,
     /// The mode and its own settings.
     pub mode: Mode,
     /// Envelopes in flight on the Receive stream before waiting for an answer.

@@ -26,9 +26,18 @@ struct Args {
     /// marks the outbox over the network; it never creates either).
     #[arg(long, env = "ORDERED_EVENTS_PRODUCER_DB", value_name = "FILE|URL", global = true)]
     producer_db: Option<proto::target::DbTarget>,
-    /// The consumer's gRPC URL, e.g. http://127.0.0.1:50052.
-    #[arg(long, env = "ORDERED_EVENTS_CONSUMER_URL", value_name = "URL", global = true)]
-    consumer: Option<String>,
+    /// The consumer's gRPC URL, e.g. http://127.0.0.1:50052. May be given more than once
+    /// (the environment twin: comma-separated) for consumer instances on ONE database: `run`
+    /// starts on one of them (chosen by process, so relays spread) and fails over to the next
+    /// when it is unreachable or stops answering; the one-shot modes use the first.
+    #[arg(
+        long,
+        env = "ORDERED_EVENTS_CONSUMER_URL",
+        value_name = "URL",
+        value_delimiter = ',',
+        global = true
+    )]
+    consumer: Vec<String>,
     /// Envelopes in flight on the stream before waiting for an answer.
     #[arg(long, env = "ORDERED_EVENTS_RELAY_WINDOW", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096), global = true)]
     window: u32,
@@ -150,6 +159,19 @@ enum ModeArg {
             value_parser = clap::value_parser!(u64).range(100..=86_400_000)
         )]
         summary_interval_ms: u64,
+        /// PostgreSQL only: how long, in milliseconds, a partition lease lasts unrenewed.
+        /// Several `relay run` on one outbox split its 64 partitions through leases renewed
+        /// every third of this; a relay that dies (or freezes) has its partitions taken over
+        /// within ttl + ttl/3 (8 s by default), and a relay that lost a lease can no longer
+        /// record answers under it (fencing).
+        #[arg(
+            long,
+            env = "ORDERED_EVENTS_RELAY_LEASE_TTL_MS",
+            value_name = "MS",
+            default_value_t = relay::lease::DEFAULT_LEASE_TTL_MS,
+            value_parser = clap::value_parser!(u64).range(300..=600_000)
+        )]
+        lease_ttl_ms: u64,
     },
 }
 
@@ -198,7 +220,7 @@ impl Failure {
 
 /// Validates the flags into the relay's settings.
 fn config(args: Args) -> Result<relay::Config, Failure> {
-    let (Some(producer_db), Some(url)) = (args.producer_db, args.consumer) else {
+    let (Some(producer_db), Some(url)) = (args.producer_db, args.consumer.first().cloned()) else {
         return Err(Failure::usage(
             "--producer-db (ORDERED_EVENTS_PRODUCER_DB) and --consumer (ORDERED_EVENTS_CONSUMER_URL) are required",
         ));
@@ -210,12 +232,13 @@ fn config(args: Args) -> Result<relay::Config, Failure> {
         ModeArg::Drain { max_stall_ms } => {
             relay::Mode::Drain(relay::DrainSettings { max_stall: Duration::from_millis(max_stall_ms) })
         }
-        ModeArg::Run { poll_ms, max_backoff_ms, delivery_lines, summary_interval_ms } => {
+        ModeArg::Run { poll_ms, max_backoff_ms, delivery_lines, summary_interval_ms, lease_ttl_ms } => {
             relay::Mode::Run(relay::RunSettings {
                 poll_interval: Duration::from_millis(poll_ms),
                 max_backoff: Duration::from_millis(max_backoff_ms),
                 delivery_lines,
                 summary_interval: Duration::from_millis(summary_interval_ms),
+                lease_ttl: Duration::from_millis(lease_ttl_ms),
             })
         }
     };
@@ -239,6 +262,7 @@ fn config(args: Args) -> Result<relay::Config, Failure> {
             tls_ca,
             answer_timeout: Duration::from_millis(args.answer_timeout_ms),
         },
+        consumers: args.consumer,
         mode,
         window: args.window as usize,
         mark_batch: args.mark_batch,

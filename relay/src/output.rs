@@ -25,6 +25,8 @@ pub struct Report {
     pending: String,
     /// `run` without `--delivery-lines` writes none (counts and metrics only).
     quiet_deliveries: bool,
+    /// Partitions held (`run` with leases), shown in the progress and summary lines.
+    partitions: Option<usize>,
 }
 
 /// Relay deliveries by the consumer's answer (one atomic add per answer).
@@ -115,6 +117,11 @@ impl Report {
         self.skipped_flows.insert(flow_id.to_owned());
     }
 
+    /// Notes how many partitions the relay holds now (`run` with leases).
+    pub fn set_partitions(&mut self, held: usize) {
+        self.partitions = Some(held);
+    }
+
     /// Envelopes answered so far.
     pub fn sent(&self) -> u64 {
         self.sent
@@ -131,6 +138,10 @@ impl Report {
             "left_unaccepted": self.left_unaccepted.len(),
             "idle": self.sent == 0,
         });
+        let mut summary = summary;
+        if let Some(held) = self.partitions {
+            summary["partitions"] = json!(held);
+        }
         (summary, decision::exit_code(self.left_unaccepted.values().copied()))
     }
 
@@ -150,6 +161,19 @@ impl Report {
         write_out(&format!("{summary}\n"));
         code
     }
+}
+
+/// Writes one `{"type":"lease",...}` line: `event` (`acquired`, `lost`, `released`) of
+/// `leases` (`(partition, epoch)`) by relay `instance`, and how many it holds now.
+pub fn lease_line(instance: &str, event: &str, leases: &[(u16, u64)], held: usize) {
+    let line = json!({
+        "type": "lease",
+        "event": event,
+        "instance": instance,
+        "partitions": leases.iter().map(|(p, e)| json!({"partition": p, "epoch": e})).collect::<Vec<_>>(),
+        "held": held,
+    });
+    write_out(&format!("{line}\n"));
 }
 
 fn write_out(lines: &str) {

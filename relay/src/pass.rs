@@ -11,7 +11,7 @@
 use std::collections::{HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
-use producer::store::{DeliveryAnswer, OutboxRecord};
+use producer::store::{DeliveryAnswer, Fence, OutboxRecord};
 use proto::body::Event;
 use proto::pb;
 
@@ -99,6 +99,7 @@ impl Caps {
 struct InFlight {
     row: OutboxRecord,
     sent_at: Instant,
+    fence: Option<Fence>,
 }
 
 enum Woke {
@@ -138,7 +139,7 @@ pub async fn pass(
                 match &mut source {
                     Source::Rows(rows) => page.extend(rows.drain(..)),
                     Source::Unaccepted if !exhausted => {
-                        page.extend(ledger.unaccepted_after(cursor.clone(), PAGE).await?);
+                        page.extend(ledger.work_after(cursor.clone(), PAGE).await?);
                         exhausted = page.len() < PAGE;
                     }
                     Source::Unaccepted => {}
@@ -150,6 +151,8 @@ pub async fn pass(
                 report.skipped(&row.flow_id);
                 continue;
             }
+            // Under leases: a row of a partition lost since the page was read is not ours.
+            let Ok(fence) = ledger.fence_for(&row) else { continue };
             let envelope = match Event::from_canonical_body(&row.body) {
                 // The committed time rides beside the event (never in its body), so the
                 // consumer can measure commit→applied.
@@ -166,7 +169,7 @@ pub async fn pass(
             };
             session.send(envelope).await?;
             tracing::debug!(event_id = %row.event_id, "sent");
-            in_flight.push_back(InFlight { row, sent_at: Instant::now() });
+            in_flight.push_back(InFlight { row, sent_at: Instant::now(), fence });
         }
         let Some(oldest) = in_flight.front() else { break };
         let silent_at = oldest.sent_at + caps.answer_timeout;
@@ -240,13 +243,13 @@ fn take_answer(
     result: &mut PassResult,
     answered: &mut Vec<Answered>,
 ) -> Result<(), RelayError> {
-    let Some(InFlight { row, .. }) = in_flight.pop_front() else {
+    let Some(InFlight { row, fence, .. }) = in_flight.pop_front() else {
         return Err(RelayError::Stream("an answer arrived for nothing in flight".into()));
     };
     if answer.event_id != row.event_id {
         let e = format!("answer for {:?} arrived where {:?} was expected", answer.event_id, row.event_id);
         // The row was sent; its answer is lost in the mismatch.
-        in_flight.push_front(InFlight { row, sent_at: Instant::now() });
+        in_flight.push_front(InFlight { row, sent_at: Instant::now(), fence });
         return Err(RelayError::Stream(e));
     }
     let delivery = DeliveryAnswer::from_wire(answer.outcome);
@@ -266,7 +269,14 @@ fn take_answer(
         }),
     }
     let position = answer.inbox_position;
-    answered.push(Answered { row, answer: delivery, detail: answer.detail, position, at: Instant::now() });
+    answered.push(Answered {
+        row,
+        answer: delivery,
+        detail: answer.detail,
+        position,
+        at: Instant::now(),
+        fence,
+    });
     Ok(())
 }
 

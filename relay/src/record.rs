@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use producer::store::{DeliveryAnswer, OutboxRecord};
+use producer::store::{DeliveryAnswer, Fence, OutboxRecord};
 
 use crate::error::RelayError;
 use crate::ledger::{Ledger, Recorded};
@@ -22,10 +22,13 @@ pub struct Answered {
     pub position: u64,
     /// When it arrived.
     pub at: Instant,
+    /// The lease the row was sent under (`run` on PostgreSQL).
+    pub fence: Option<Fence>,
 }
 
 /// Records `answered` in one transaction, then queues and writes their delivery lines;
-/// returns how many were recorded. `answered` is empty afterwards.
+/// returns how many were recorded. `answered` is empty afterwards. Answers the lease fence
+/// kept out are neither counted nor written (stdout never claims more than the ledger).
 pub async fn record(
     ledger: &Ledger,
     answered: &mut Vec<Answered>,
@@ -36,12 +39,19 @@ pub async fn record(
     }
     let recorded = answered
         .iter()
-        .map(|a| Recorded { event_id: a.row.event_id.clone(), answer: a.answer, position: a.position })
+        .map(|a| Recorded {
+            event_id: a.row.event_id.clone(),
+            answer: a.answer,
+            position: a.position,
+            fence: a.fence.clone(),
+        })
         .collect();
-    ledger.record(recorded).await?;
-    let n = answered.len() as u64;
-    for a in answered.drain(..) {
-        report.delivery(&a.row.event_id, &a.row.flow_id, a.row.seq, a.answer, &a.detail);
+    let not_recorded = ledger.record(recorded).await?;
+    let n = (answered.len() - not_recorded.len()) as u64;
+    for (i, a) in answered.drain(..).enumerate() {
+        if !not_recorded.contains(&i) {
+            report.delivery(&a.row.event_id, &a.row.flow_id, a.row.seq, a.answer, &a.detail);
+        }
     }
     report.flush();
     Ok(n)

@@ -266,6 +266,46 @@ pub struct Recorded {
     pub answer: DeliveryAnswer,
     /// Where the consumer holds it (its inbox position; 0 when it did not say).
     pub position: u64,
+    /// The lease the row was sent under (`relay run` on PostgreSQL): the answer is recorded
+    /// only while the lease row still names this owner and epoch. `None`: unfenced (SQLite,
+    /// and the one-shot modes, which take no lease).
+    pub fence: Option<Fence>,
+}
+
+/// A relay's claim on one partition, proven on every mark (a fencing token).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fence {
+    /// The relay instance that holds the lease.
+    pub owner: std::sync::Arc<str>,
+    /// The partition ([`proto::partition::flow_partition`] of the row's flow).
+    pub partition: u16,
+    /// The lease's epoch when the row was read.
+    pub epoch: u64,
+}
+
+/// One partition's lease row as a relay reads it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeaseRow {
+    /// The partition.
+    pub partition: u16,
+    /// The instance that last took it (`None`: never taken, or released).
+    pub owner: Option<String>,
+    /// How often it was taken.
+    pub epoch: u64,
+    /// Unowned, or its lease expired by the database's clock: anyone may take it.
+    pub free: bool,
+}
+
+/// What a relay's heartbeat saw: every lease row and the relays alive.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LeaseView {
+    /// The leases this relay renewed: `(partition, epoch)`; a lease it sent and does not get
+    /// back is lost (taken over, or released by hand).
+    pub renewed: Vec<(u16, u64)>,
+    /// Every partition's lease row.
+    pub leases: Vec<LeaseRow>,
+    /// Relay instances whose heartbeat has not expired (this one included).
+    pub live_relays: u64,
 }
 
 impl Recorded {
@@ -280,6 +320,10 @@ impl Recorded {
         }
     }
 }
+
+/// Why lease calls fail on SQLite.
+const LEASES_NEED_POSTGRES: &str =
+    "partition leases need the PostgreSQL backend: on SQLite one relay serves the outbox";
 
 /// The word `last_outcome` gets for a send that was never answered (the stream broke, the
 /// consumer stopped answering, or the relay stopped first).
@@ -480,17 +524,94 @@ impl ProducerStore {
     /// it lives when `consumer_db` and the position are known. Crash points
     /// `relay.after_mark` (written, not committed) and `relay.after_mark_commit` sit on the
     /// marking path only: a run with no answer that holds its event reaches neither.
+    ///
+    /// An answer with a [`Fence`] is recorded only while its lease row still says (owner,
+    /// epoch) (PostgreSQL; checked and held in the same statement). Returns the partitions
+    /// where fewer rows were recorded than answered: their lease was lost.
     pub async fn record_deliveries(
         &self,
         answers: Vec<Recorded>,
         consumer_db: Option<String>,
-    ) -> Result<(), StoreError> {
+    ) -> Result<Vec<u16>, StoreError> {
         if answers.is_empty() {
-            return Ok(());
+            return Ok(Vec::new());
         }
         match self {
-            ProducerStore::Sqlite(s) => s.record_deliveries(answers, consumer_db).await,
+            ProducerStore::Sqlite(s) => s.record_deliveries(answers, consumer_db).await.map(|()| Vec::new()),
             ProducerStore::Postgres(s) => s.record_deliveries(answers, consumer_db).await,
+        }
+    }
+
+    /// The partition of `flow_id` and its lease row (owner only while the lease is live), on
+    /// PostgreSQL; `None` on SQLite, which has no partitions.
+    pub async fn flow_lease(&self, flow_id: &str) -> Result<Option<LeaseRow>, StoreError> {
+        match self {
+            ProducerStore::Sqlite(_) => Ok(None),
+            ProducerStore::Postgres(s) => {
+                s.flow_lease(proto::partition::flow_partition(flow_id)).await.map(Some)
+            }
+        }
+    }
+
+    /// True when several relays can share this outbox through partition leases (PostgreSQL).
+    pub fn has_leases(&self) -> bool {
+        matches!(self, ProducerStore::Postgres(_))
+    }
+
+    /// Like [`ProducerStore::unaccepted_after`], only rows of `partitions` (PostgreSQL).
+    pub async fn unaccepted_in(
+        &self,
+        after: (String, u64),
+        limit: usize,
+        partitions: Vec<u16>,
+    ) -> Result<Vec<OutboxRecord>, StoreError> {
+        match self {
+            ProducerStore::Sqlite(_) => Err(StoreError::NotSupported(LEASES_NEED_POSTGRES)),
+            ProducerStore::Postgres(s) => s.unaccepted_in(after, limit, partitions).await,
+        }
+    }
+
+    /// A relay's heartbeat, by the database's clock: `instance` is alive for `ttl_us` more,
+    /// each lease of `held` whose row still names it at that epoch is renewed for as long;
+    /// then every lease row and the number of live relays are read.
+    pub async fn lease_heartbeat(
+        &self,
+        instance: &str,
+        ttl_us: i64,
+        held: Vec<(u16, u64)>,
+    ) -> Result<LeaseView, StoreError> {
+        match self {
+            ProducerStore::Sqlite(_) => Err(StoreError::NotSupported(LEASES_NEED_POSTGRES)),
+            ProducerStore::Postgres(s) => s.lease_heartbeat(instance, ttl_us, held).await,
+        }
+    }
+
+    /// Takes each of `partitions` whose lease is free (unowned or expired), one more epoch
+    /// each, for `ttl_us`. Returns what was taken: `(partition, epoch)`.
+    pub async fn lease_acquire(
+        &self,
+        instance: &str,
+        ttl_us: i64,
+        partitions: Vec<u16>,
+    ) -> Result<Vec<(u16, u64)>, StoreError> {
+        match self {
+            ProducerStore::Sqlite(_) => Err(StoreError::NotSupported(LEASES_NEED_POSTGRES)),
+            ProducerStore::Postgres(s) => s.lease_acquire(instance, ttl_us, partitions).await,
+        }
+    }
+
+    /// Gives up each of `leases` still held at that epoch (free for anyone at once); with
+    /// `retire`, also ends `instance`'s heartbeat (a clean shutdown). Returns the partitions
+    /// released.
+    pub async fn lease_release(
+        &self,
+        instance: &str,
+        leases: Vec<(u16, u64)>,
+        retire: bool,
+    ) -> Result<Vec<u16>, StoreError> {
+        match self {
+            ProducerStore::Sqlite(_) => Err(StoreError::NotSupported(LEASES_NEED_POSTGRES)),
+            ProducerStore::Postgres(s) => s.lease_release(instance, leases, retire).await,
         }
     }
 
@@ -516,7 +637,23 @@ impl ProducerStore {
     ) -> Result<LostRows, StoreError> {
         match self {
             ProducerStore::Sqlite(s) => s.resend_lost(consumer_db, highest_position).await,
-            ProducerStore::Postgres(s) => s.resend_lost(consumer_db, highest_position).await,
+            ProducerStore::Postgres(s) => s.resend_lost(consumer_db, highest_position, None).await,
+        }
+    }
+
+    /// [`ProducerStore::resend_lost`] over the rows of `partitions` only (PostgreSQL): what a
+    /// relay under leases checks, since only it marks those rows while it asks its consumer.
+    pub async fn resend_lost_in(
+        &self,
+        consumer_db: String,
+        highest_position: u64,
+        partitions: Vec<u16>,
+    ) -> Result<LostRows, StoreError> {
+        match self {
+            ProducerStore::Sqlite(_) => Err(StoreError::NotSupported(LEASES_NEED_POSTGRES)),
+            ProducerStore::Postgres(s) => {
+                s.resend_lost(consumer_db, highest_position, Some(partitions)).await
+            }
         }
     }
 }

@@ -9,7 +9,7 @@
 //! The backlog counter is kept by explicit statements in the same transactions (one update
 //! per transaction, not one per row as a trigger would), so the cap stays exact.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Instant;
 
 use deadpool_postgres::ClientWrapper as Conn;
@@ -27,20 +27,50 @@ use tokio_postgres::types::ToSql;
 type Params<'a, const N: usize> = [&'a (dyn ToSql + Sync); N];
 
 use super::{
-    ADVANCE_BATCHES, AdvanceReply, Backlog, Decision, FlowRecord, LOST_BY_CONSUMER, LostRows, MARK_BATCHES,
-    NO_ANSWER, OutboxRecord, Recorded, Role, StoreError, decide,
+    ADVANCE_BATCHES, AdvanceReply, Backlog, Decision, FlowRecord, LOST_BY_CONSUMER, LeaseRow, LeaseView,
+    LostRows, MARK_BATCHES, NO_ANSWER, OutboxRecord, Recorded, Role, StoreError, decide,
 };
 use crate::request::AdvanceCommand;
 
 /// The producer schema on PostgreSQL (version 1: the SQLite schema's tables and columns, the
-/// identity in `meta`, accepted-by columns from the start).
-pub const KIND: PgKind =
-    PgKind { name: "producer", schema: "ordered_events_producer", version: 1, ddl: DDL, upgrades: &[] };
+/// identity in `meta`, accepted-by columns from the start; version 2: each outbox row's
+/// partition and who marked it, the relays' lease and heartbeat tables).
+pub const KIND: PgKind = PgKind {
+    name: "producer",
+    schema: "ordered_events_producer",
+    version: 2,
+    ddl: DDL,
+    upgrades: &[UPGRADE_TO_2],
+};
+
+/// The relays' shared state (version 2): one lease row per partition (who holds it, the
+/// epoch every mark proves, until when by the database's clock) and one heartbeat row per
+/// live relay instance, from which each relay computes its fair share.
+macro_rules! lease_ddl {
+    () => {
+        r#"
+CREATE TABLE relay_lease(
+    partition SMALLINT PRIMARY KEY CHECK(partition >= 0 AND partition < 64),
+    owner TEXT,
+    epoch BIGINT NOT NULL DEFAULT 0,
+    expires_at_us BIGINT NOT NULL DEFAULT 0,
+    acquired_at_us BIGINT
+);
+INSERT INTO relay_lease(partition) SELECT generate_series(0, 63);
+CREATE TABLE relay_instance(
+    instance_id TEXT PRIMARY KEY,
+    started_at_us BIGINT NOT NULL,
+    expires_at_us BIGINT NOT NULL
+);
+"#
+    };
+}
 
 /// Ids compare bytewise (`COLLATE "C"`), as SQLite compares them, so `(flow_id, seq)` order,
 /// and with it the relay's `once` and its paging, is the same on both backends whatever the
 /// database's locale.
-const DDL: &str = r#"
+const DDL: &str = concat!(
+    r#"
 CREATE TABLE flow(
     flow_id TEXT COLLATE "C" PRIMARY KEY,
     seq BIGINT NOT NULL CHECK(seq >= 1),
@@ -61,6 +91,9 @@ CREATE TABLE outbox(
     accepted_at_us BIGINT,
     accepted_by TEXT,
     accepted_position BIGINT,
+    partition SMALLINT NOT NULL CHECK(partition >= 0 AND partition < 64),
+    marked_by TEXT,
+    marked_epoch BIGINT,
     UNIQUE(flow_id, seq)
 );
 -- Only unaccepted rows are indexed: finding the relay's work never scans the history.
@@ -73,7 +106,33 @@ CREATE TABLE backlog(
     unaccepted BIGINT NOT NULL CHECK(unaccepted >= 0)
 );
 INSERT INTO backlog(id, unaccepted) VALUES (1, 0);
-"#;
+"#,
+    lease_ddl!(),
+    proto::flow_partition_sql!()
+);
+
+/// Version 1 to 2: every existing row gets its partition computed by the database with the
+/// same function the producer uses ([`proto::partition`]), then the column is required.
+const UPGRADE_TO_2: &str = concat!(
+    proto::flow_partition_sql!(),
+    r#"
+ALTER TABLE outbox ADD COLUMN partition SMALLINT;
+ALTER TABLE outbox ADD COLUMN marked_by TEXT;
+ALTER TABLE outbox ADD COLUMN marked_epoch BIGINT;
+UPDATE outbox SET partition = flow_partition(flow_id);
+ALTER TABLE outbox ALTER COLUMN partition SET NOT NULL;
+ALTER TABLE outbox ADD CONSTRAINT outbox_partition_check CHECK(partition >= 0 AND partition < 64);
+"#,
+    lease_ddl!()
+);
+
+/// The database's clock in microseconds: lease expiry is judged by one clock, whatever the
+/// relays' hosts think the time is.
+macro_rules! db_now_us {
+    () => {
+        "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint"
+    };
+}
 
 /// Connections of a server's pool: the writer's, and the rest for `GetFlow` and the metrics.
 const SERVER_POOL: usize = 8;
@@ -256,72 +315,103 @@ impl PgStore {
         read_event(&client, &event_id).await.map_err(|e| e.during("read an outbox row"))
     }
 
+    pub(super) async fn unaccepted_in(
+        &self,
+        after: (String, u64),
+        limit: usize,
+        partitions: Vec<u16>,
+    ) -> Result<Vec<OutboxRecord>, StoreError> {
+        let what = "read unaccepted rows of held partitions";
+        let client = self.client().await?;
+        let stmt = client
+            .prepare_cached(
+                "SELECT event_id, flow_id, seq, kind, schema, body, accepted, attempts, last_outcome,
+                 committed_at_us
+                 FROM outbox WHERE accepted = 0 AND (flow_id, seq) > ($1, $2) AND partition = ANY($4)
+                 ORDER BY flow_id, seq LIMIT $3",
+            )
+            .await
+            .map_err(|e| StoreError::from(e).during(what))?;
+        let after_seq = seq_param(after.1)?;
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let partitions: Vec<i16> = partitions.iter().map(|&p| p as i16).collect();
+        let rows = client
+            .query(&stmt, &[&after.0, &after_seq, &limit, &partitions])
+            .await
+            .map_err(|e| StoreError::from(e).during(what))?;
+        rows.iter().map(|r| outbox_from_row(r, 0)).collect()
+    }
+
     pub(super) async fn record_deliveries(
         &self,
         answers: Vec<Recorded>,
         consumer_db: Option<String>,
-    ) -> Result<(), StoreError> {
+    ) -> Result<Vec<u16>, StoreError> {
         let what = "record answers";
         let started = Instant::now();
         let client = self.client().await?;
         let crash = self.crash;
         let marked = answers.iter().any(|a| a.answer.holds_event());
         let consumer_db = consumer_db.as_deref();
-        retrying(client, what, async |client: &Conn| {
+        let now = runtime::now_us();
+        let ids: Vec<&str> = answers.iter().map(|a| a.event_id.as_str()).collect();
+        let words: Vec<String> = answers.iter().map(|a| a.answer.word().into_owned()).collect();
+        let holds: Vec<bool> = answers.iter().map(|a| a.answer.holds_event()).collect();
+        let at: Vec<_> = answers.iter().map(|a| a.accepted_by(consumer_db)).collect();
+        let by: Vec<Option<&str>> = at.iter().map(|at| at.map(|at| at.consumer_db)).collect();
+        let positions: Vec<Option<i64>> =
+            at.iter().map(|at| at.map(|at| i64::try_from(at.position).unwrap_or(i64::MAX))).collect();
+        let parts: Vec<Option<i16>> =
+            answers.iter().map(|a| a.fence.as_ref().map(|f| f.partition as i16)).collect();
+        let epochs: Vec<Option<i64>> = answers
+            .iter()
+            .map(|a| a.fence.as_ref().map(|f| i64::try_from(f.epoch).unwrap_or(i64::MAX)))
+            .collect();
+        let owner: Option<&str> = answers.iter().find_map(|a| a.fence.as_ref().map(|f| &*f.owner));
+        // Answers per fenced partition (each event once), to compare with what landed.
+        let mut sent: BTreeMap<u16, BTreeSet<&str>> = BTreeMap::new();
+        for a in &answers {
+            if let Some(f) = &a.fence {
+                sent.entry(f.partition).or_default().insert(a.event_id.as_str());
+            }
+        }
+        let in_transaction = crash.is_armed_at(CrashPoint::RelayAfterMark);
+        let landed = retrying(client, what, async |client: &Conn| {
             {
-                // Each answer: lock its row and read whether it was accepted (the latest
-                // committed value, after any other relay's mark), then update it. Both in
-                // order, every answer's pair in ONE round trip with the BEGIN.
-                let lock = client
-                    .prepare_cached("SELECT accepted FROM outbox WHERE event_id = $1 FOR UPDATE")
-                    .await?;
-                let stmt = client
-                    .prepare_cached(
-                        "UPDATE outbox SET attempts = attempts + 1, last_outcome = $2,
-                             accepted_at_us = CASE WHEN $3::boolean AND accepted = 0 THEN $4 ELSE accepted_at_us END,
-                             accepted = CASE WHEN $3::boolean THEN 1 ELSE accepted END,
-                             accepted_by = CASE WHEN $3::boolean AND $5::text IS NOT NULL THEN $5 ELSE accepted_by END,
-                             accepted_position =
-                                 CASE WHEN $3::boolean AND $5::text IS NOT NULL THEN $6 ELSE accepted_position END
-                         WHERE event_id = $1",
-                    )
-                    .await?;
-                let now = runtime::now_us();
-                let params: Vec<_> = answers
-                    .iter()
-                    .map(|a| {
-                        let at = a.accepted_by(consumer_db);
-                        let position = at.map(|at| i64::try_from(at.position).unwrap_or(i64::MAX));
-                        let word = a.answer.word().into_owned();
-                        (a.event_id.as_str(), word, a.answer.holds_event(), at.map(|at| at.consumer_db), position)
-                    })
-                    .collect();
-                let bound: Vec<(Params<'_, 1>, Params<'_, 6>)> = params
-                    .iter()
-                    .map(|(id, word, holds, by, position)| -> (Params<'_, 1>, Params<'_, 6>) {
-                        ([id], [id, word, holds, &now, by, position])
-                    })
-                    .collect();
-                let pairs = futures::future::join_all(bound.iter().map(|(key, update)| {
-                    futures::future::join(client.query_opt(&lock, key), client.execute(&stmt, update))
-                }));
-                let (begun, done) = futures::join!(client.batch_execute("BEGIN"), pairs);
-                begun?;
-                let mut newly_accepted: i64 = 0;
-                for ((_, _, holds, _, _), (was, updated)) in params.iter().zip(done) {
-                    updated?;
-                    // `None`: no such row (an event this outbox never had); nothing to count.
-                    if let Some(row) = was? {
-                        let was: i32 = row.try_get(0)?;
-                        if *holds && was == 0 {
-                            newly_accepted += 1;
-                        }
+                let stmt = client.prepare_cached(RECORD_SQL).await?;
+                let params: Params<'_, 9> =
+                    [&ids, &words, &holds, &by, &positions, &parts, &epochs, &owner, &now];
+                // ONE statement: alone it is its own transaction; only an armed
+                // `relay.after_mark` needs it inside BEGIN/COMMIT, to crash between the two.
+                let rows = if in_transaction {
+                    let (begun, rows) =
+                        futures::join!(client.batch_execute("BEGIN"), client.query(&stmt, &params));
+                    begun?;
+                    let rows = rows?;
+                    if marked {
+                        crash.reach(CrashPoint::RelayAfterMark);
+                    }
+                    client.batch_execute("COMMIT").await?;
+                    rows
+                } else {
+                    client.query(&stmt, &params).await?
+                };
+                let mut landed: BTreeMap<u16, u64> = BTreeMap::new();
+                for row in &rows {
+                    let part: Option<i16> = row.try_get(0)?;
+                    let count = unsigned(row, 1, "recorded rows")?;
+                    let newly = unsigned(row, 2, "newly accepted rows")?;
+                    let counted = unsigned(row, 3, "backlog rows")?;
+                    if newly > 0 && counted != 1 {
+                        return Err(StoreError::Corrupt(format!(
+                            "the backlog row is missing ({counted} rows updated)"
+                        )));
+                    }
+                    if let Some(part) = part {
+                        landed.insert(part as u16, count);
                     }
                 }
-                if marked {
-                    crash.reach(CrashPoint::RelayAfterMark);
-                }
-                commit_with_backlog(client, -newly_accepted).await
+                Ok(landed)
             }
         })
         .await?;
@@ -330,7 +420,172 @@ impl PgStore {
         if marked {
             crash.reach(CrashPoint::RelayAfterMarkCommit);
         }
-        Ok(())
+        let fenced = sent
+            .iter()
+            .filter(|(part, ids)| landed.get(part).copied().unwrap_or(0) < ids.len() as u64)
+            .map(|(part, _)| *part)
+            .collect();
+        Ok(fenced)
+    }
+
+    pub(super) async fn lease_heartbeat(
+        &self,
+        instance: &str,
+        ttl_us: i64,
+        held: Vec<(u16, u64)>,
+    ) -> Result<LeaseView, StoreError> {
+        let what = "relay heartbeat";
+        let client = self.client().await?;
+        let beat = client
+            .prepare_cached(concat!(
+                "INSERT INTO relay_instance(instance_id, started_at_us, expires_at_us) VALUES ($1, ",
+                db_now_us!(),
+                ", ",
+                db_now_us!(),
+                " + $2) ON CONFLICT (instance_id) DO UPDATE SET expires_at_us = excluded.expires_at_us"
+            ))
+            .await
+            .map_err(|e| StoreError::from(e).during(what))?;
+        let renew = client
+            .prepare_cached(concat!(
+                "UPDATE relay_lease l SET expires_at_us = ",
+                db_now_us!(),
+                " + $2 FROM unnest($3::smallint[], $4::bigint[]) AS h(p, e)
+                 WHERE l.partition = h.p AND l.epoch = h.e AND l.owner = $1
+                 RETURNING l.partition, l.epoch"
+            ))
+            .await
+            .map_err(|e| StoreError::from(e).during(what))?;
+        let read = client
+            .prepare_cached(concat!(
+                "SELECT partition, epoch, owner, owner IS NULL OR expires_at_us < ",
+                db_now_us!(),
+                ", (SELECT count(*) FROM relay_instance WHERE expires_at_us >= ",
+                db_now_us!(),
+                ") FROM relay_lease ORDER BY partition"
+            ))
+            .await
+            .map_err(|e| StoreError::from(e).during(what))?;
+        let forget = client
+            .prepare_cached(concat!(
+                "DELETE FROM relay_instance WHERE expires_at_us < ",
+                db_now_us!(),
+                " - 600000000"
+            ))
+            .await
+            .map_err(|e| StoreError::from(e).during(what))?;
+        let parts: Vec<i16> = held.iter().map(|h| h.0 as i16).collect();
+        let epochs: Vec<i64> = held.iter().map(|h| i64::try_from(h.1).unwrap_or(i64::MAX)).collect();
+        let beat_params: Params<'_, 2> = [&instance, &ttl_us];
+        let renew_params: Params<'_, 4> = [&instance, &ttl_us, &parts, &epochs];
+        // Each statement alone (autocommit), all in one round trip, in this order.
+        let (beaten, renewed, rows, forgotten) = futures::join!(
+            client.execute(&beat, &beat_params),
+            client.query(&renew, &renew_params),
+            client.query(&read, &[]),
+            client.execute(&forget, &[]),
+        );
+        beaten.map_err(|e| StoreError::from(e).during(what))?;
+        forgotten.map_err(|e| StoreError::from(e).during(what))?;
+        let renewed = renewed.map_err(|e| StoreError::from(e).during(what))?;
+        let rows = rows.map_err(|e| StoreError::from(e).during(what))?;
+        let mut view = LeaseView::default();
+        for row in &renewed {
+            view.renewed.push(lease_key(row)?);
+        }
+        for row in &rows {
+            let (partition, epoch) = lease_key(row)?;
+            view.leases.push(LeaseRow {
+                partition,
+                owner: row.try_get(2).map_err(corrupt)?,
+                epoch,
+                free: row.try_get(3).map_err(corrupt)?,
+            });
+            view.live_relays = unsigned(row, 4, "live relays")?;
+        }
+        Ok(view)
+    }
+
+    pub(super) async fn flow_lease(&self, partition: u16) -> Result<LeaseRow, StoreError> {
+        let what = "read a partition's lease";
+        let client = self.client().await?;
+        let stmt = client
+            .prepare_cached(concat!(
+                "SELECT partition, epoch, CASE WHEN expires_at_us >= ",
+                db_now_us!(),
+                " THEN owner END FROM relay_lease WHERE partition = $1"
+            ))
+            .await
+            .map_err(|e| StoreError::from(e).during(what))?;
+        let row = client
+            .query_one(&stmt, &[&(partition as i16)])
+            .await
+            .map_err(|e| StoreError::from(e).during(what))?;
+        let (partition, epoch) = lease_key(&row)?;
+        let owner: Option<String> = row.try_get(2).map_err(corrupt)?;
+        Ok(LeaseRow { partition, free: owner.is_none(), owner, epoch })
+    }
+
+    pub(super) async fn lease_acquire(
+        &self,
+        instance: &str,
+        ttl_us: i64,
+        partitions: Vec<u16>,
+    ) -> Result<Vec<(u16, u64)>, StoreError> {
+        let what = "take partition leases";
+        let client = self.client().await?;
+        // The condition is checked again on the newest row version when another relay took
+        // one first (READ COMMITTED), so a lease goes to one relay only.
+        let stmt = client
+            .prepare_cached(concat!(
+                "UPDATE relay_lease SET owner = $1, epoch = epoch + 1, expires_at_us = ",
+                db_now_us!(),
+                " + $2, acquired_at_us = ",
+                db_now_us!(),
+                " WHERE partition = ANY($3) AND (owner IS NULL OR expires_at_us < ",
+                db_now_us!(),
+                ") RETURNING partition, epoch"
+            ))
+            .await
+            .map_err(|e| StoreError::from(e).during(what))?;
+        let parts: Vec<i16> = partitions.iter().map(|&p| p as i16).collect();
+        let rows = client
+            .query(&stmt, &[&instance, &ttl_us, &parts])
+            .await
+            .map_err(|e| StoreError::from(e).during(what))?;
+        rows.iter().map(lease_key).collect()
+    }
+
+    pub(super) async fn lease_release(
+        &self,
+        instance: &str,
+        leases: Vec<(u16, u64)>,
+        retire: bool,
+    ) -> Result<Vec<u16>, StoreError> {
+        let what = "release partition leases";
+        let client = self.client().await?;
+        let release = client
+            .prepare_cached(
+                "UPDATE relay_lease l SET owner = NULL, expires_at_us = 0
+                 FROM unnest($2::smallint[], $3::bigint[]) AS h(p, e)
+                 WHERE l.partition = h.p AND l.epoch = h.e AND l.owner = $1
+                 RETURNING l.partition, l.epoch",
+            )
+            .await
+            .map_err(|e| StoreError::from(e).during(what))?;
+        let parts: Vec<i16> = leases.iter().map(|h| h.0 as i16).collect();
+        let epochs: Vec<i64> = leases.iter().map(|h| i64::try_from(h.1).unwrap_or(i64::MAX)).collect();
+        let rows = client
+            .query(&release, &[&instance, &parts, &epochs])
+            .await
+            .map_err(|e| StoreError::from(e).during(what))?;
+        if retire {
+            client
+                .execute("DELETE FROM relay_instance WHERE instance_id = $1", &[&instance])
+                .await
+                .map_err(|e| StoreError::from(e).during(what))?;
+        }
+        rows.iter().map(|r| lease_key(r).map(|(p, _)| p)).collect()
     }
 
     pub(super) async fn record_unanswered(&self, event_ids: Vec<String>) -> Result<(), StoreError> {
@@ -352,12 +607,16 @@ impl PgStore {
         .await
     }
 
+    /// `partitions`: only rows of these (a relay under leases judges only the rows it alone
+    /// marks; another relay may mark its own rows while this one asks its consumer).
     pub(super) async fn resend_lost(
         &self,
         consumer_db: String,
         highest_position: u64,
+        partitions: Option<Vec<u16>>,
     ) -> Result<LostRows, StoreError> {
         let client = self.client().await?;
+        let partitions: Option<Vec<i16>> = partitions.map(|ps| ps.iter().map(|&p| p as i16).collect());
         let highest = seq_param(highest_position)?;
         let consumer_db = consumer_db.as_str();
         retrying(client, "unmark rows the consumer lost", async |client: &Conn| {
@@ -365,19 +624,22 @@ impl PgStore {
                 let other = client
                     .prepare_cached(
                         "SELECT count(*) FROM outbox
-                         WHERE accepted = 1 AND accepted_by IS NOT NULL AND accepted_by <> $1",
+                         WHERE accepted = 1 AND accepted_by IS NOT NULL AND accepted_by <> $1
+                           AND ($2::smallint[] IS NULL OR partition = ANY($2))",
                     )
                     .await?;
                 let beyond = client
                     .prepare_cached(
                         "SELECT count(*) FROM outbox
-                         WHERE accepted = 1 AND accepted_by = $1 AND accepted_position > $2",
+                         WHERE accepted = 1 AND accepted_by = $1 AND accepted_position > $2
+                           AND ($3::smallint[] IS NULL OR partition = ANY($3))",
                     )
                     .await?;
                 let highest_recorded = client
                     .prepare_cached(
                         "SELECT coalesce(max(accepted_position), 0) FROM outbox
-                         WHERE accepted = 1 AND accepted_by = $1",
+                         WHERE accepted = 1 AND accepted_by = $1
+                           AND ($2::smallint[] IS NULL OR partition = ANY($2))",
                     )
                     .await?;
                 let sample = client
@@ -385,12 +647,13 @@ impl PgStore {
                         "SELECT event_id FROM outbox
                          WHERE accepted = 1 AND accepted_by IS NOT NULL
                            AND (accepted_by <> $1 OR accepted_position > $2)
+                           AND ($3::smallint[] IS NULL OR partition = ANY($3))
                          ORDER BY flow_id, seq LIMIT 5",
                     )
                     .await?;
                 // BEGIN and the four reads in one round trip, one transaction with the unmark.
-                let by: Params<'_, 1> = [&consumer_db];
-                let by_beyond: Params<'_, 2> = [&consumer_db, &highest];
+                let by: Params<'_, 2> = [&consumer_db, &partitions];
+                let by_beyond: Params<'_, 3> = [&consumer_db, &highest, &partitions];
                 let (begun, other, beyond, recorded, sample) = futures::join!(
                     client.batch_execute("BEGIN"),
                     client.query_one(&other, &by),
@@ -418,16 +681,77 @@ impl PgStore {
                         "UPDATE outbox SET accepted = 0, accepted_at_us = NULL, accepted_by = NULL,
                              accepted_position = NULL, last_outcome = $3
                          WHERE accepted = 1 AND accepted_by IS NOT NULL
-                           AND (accepted_by <> $1 OR accepted_position > $2)",
+                           AND (accepted_by <> $1 OR accepted_position > $2)
+                           AND ($4::smallint[] IS NULL OR partition = ANY($4))",
                     )
                     .await?;
-                let unmarked = client.execute(&unmark, &[&consumer_db, &highest, &LOST_BY_CONSUMER]).await?;
+                let unmarked = client
+                    .execute(&unmark, &[&consumer_db, &highest, &LOST_BY_CONSUMER, &partitions])
+                    .await?;
                 commit_with_backlog(client, i64::try_from(unmarked).unwrap_or(i64::MAX)).await?;
                 Ok(lost)
             }
         })
         .await
     }
+}
+
+/// Records a run of answers in ONE statement. `t`: the answers in order; `a`: one line per
+/// event (its sends counted, the last answer's word, accepted when any answer holds it, the
+/// last holding answer's consumer and position); `fence`: the lease rows that still name
+/// this owner, share-locked, so a takeover waits for this statement and a takeover that
+/// committed first leaves them out; `ok`: the outbox rows to record, locked and read at
+/// their newest version (an unfenced answer needs no lease); `u` records them; `b` moves
+/// the backlog counter by the rows newly accepted. Returns per partition how many rows
+/// landed, with the backlog update's row count and the newly accepted rows.
+const RECORD_SQL: &str = "
+WITH t AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::boolean[], $4::text[], $5::bigint[],
+                         $6::smallint[], $7::bigint[])
+        WITH ORDINALITY AS t(id, word, holds, by, pos, part, epoch, n)
+),
+a AS (
+    SELECT id, count(*) AS sends, (array_agg(word ORDER BY n DESC))[1] AS word, bool_or(holds) AS holds,
+           (array_agg(by ORDER BY n DESC) FILTER (WHERE holds AND by IS NOT NULL))[1] AS by,
+           (array_agg(pos ORDER BY n DESC) FILTER (WHERE holds AND by IS NOT NULL))[1] AS pos,
+           min(part) AS part, min(epoch) AS epoch
+    FROM t GROUP BY id
+),
+fence AS (
+    SELECT l.partition, l.epoch FROM relay_lease l
+    WHERE l.owner = $8 AND l.partition IN (SELECT part FROM a WHERE epoch IS NOT NULL)
+    FOR SHARE
+),
+ok AS (
+    SELECT o.event_id, o.accepted AS was, a.sends, a.word, a.holds, a.by, a.pos, a.part, a.epoch
+    FROM outbox o JOIN a ON o.event_id = a.id
+    WHERE a.epoch IS NULL OR EXISTS (SELECT 1 FROM fence f WHERE f.partition = a.part AND f.epoch = a.epoch)
+    FOR UPDATE OF o
+),
+u AS (
+    UPDATE outbox o SET attempts = o.attempts + ok.sends, last_outcome = ok.word,
+        accepted_at_us = CASE WHEN ok.holds AND ok.was = 0 THEN $9 ELSE o.accepted_at_us END,
+        accepted = CASE WHEN ok.holds THEN 1 ELSE o.accepted END,
+        accepted_by = CASE WHEN ok.by IS NOT NULL THEN ok.by ELSE o.accepted_by END,
+        accepted_position = CASE WHEN ok.by IS NOT NULL THEN ok.pos ELSE o.accepted_position END,
+        marked_by = CASE WHEN ok.holds THEN $8 ELSE o.marked_by END,
+        marked_epoch = CASE WHEN ok.holds THEN ok.epoch ELSE o.marked_epoch END
+    FROM ok WHERE o.event_id = ok.event_id
+    RETURNING ok.part, ok.holds AND ok.was = 0 AS newly
+),
+b AS (
+    UPDATE backlog SET unaccepted = unaccepted - (SELECT count(*) FROM u WHERE newly)
+    WHERE id = 1 AND EXISTS (SELECT 1 FROM u WHERE newly)
+    RETURNING 1
+)
+SELECT part, count(*), (SELECT count(*) FROM u WHERE newly), (SELECT count(*) FROM b) FROM u GROUP BY part";
+
+/// `(partition, epoch)` of a lease row's first two columns.
+fn lease_key(row: &Row) -> Result<(u16, u64), StoreError> {
+    let partition: i16 = row.try_get(0).map_err(corrupt)?;
+    let partition =
+        u16::try_from(partition).map_err(|_| StoreError::Corrupt(format!("partition {partition}")))?;
+    Ok((partition, unsigned(row, 1, "lease epoch")?))
 }
 
 /// Adds `delta` to the backlog counter and commits, in one round trip. The counter's update
@@ -506,6 +830,11 @@ fn is_serialization(e: &StoreError) -> bool {
 
 fn corrupt(e: tokio_postgres::Error) -> StoreError {
     StoreError::Corrupt(e.to_string())
+}
+
+/// The partition of a flow as PostgreSQL's SMALLINT (below 64, so it fits).
+fn partition_param(flow_id: &str) -> i16 {
+    proto::partition::flow_partition(flow_id) as i16
 }
 
 /// A seq or position as PostgreSQL's BIGINT (every seq is at most 2^53).
@@ -849,16 +1178,19 @@ async fn advance_pipelined(
         .await?;
     let insert_events = client
         .prepare_cached(
-            "INSERT INTO outbox(event_id, flow_id, seq, kind, schema, body, committed_at_us)
-             SELECT e, f, s, k, sc, b, $7
-             FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $5::integer[], $6::text[])
-                  WITH ORDINALITY AS t(e, f, s, k, sc, b, n)
+            "INSERT INTO outbox(event_id, flow_id, seq, kind, schema, body, committed_at_us, partition)
+             SELECT e, f, s, k, sc, b, $7, p
+             FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $5::integer[], $6::text[],
+                         $8::smallint[])
+                  WITH ORDINALITY AS t(e, f, s, k, sc, b, p, n)
              ORDER BY n",
         )
         .await?;
     let p_new: Params<'_, 4> = [&n_flows, &n_seqs, &n_states, &n_amounts];
     let p_old: Params<'_, 4> = [&o_flows, &o_seqs, &o_states, &o_from];
-    let p_events: Params<'_, 7> = [&e_ids, &e_flows, &e_seqs, &e_kinds, &e_schemas, &e_bodies, &now];
+    let e_partitions: Vec<i16> = writes.iter().map(|w| partition_param(&w.2.flow_id)).collect();
+    let p_events: Params<'_, 8> =
+        [&e_ids, &e_flows, &e_seqs, &e_kinds, &e_schemas, &e_bodies, &now, &e_partitions];
     // In this order on the connection, one round trip: the savepoint, the flows, the events.
     let (saved, inserted, moved, events_in) = futures::join!(
         client.batch_execute("SAVEPOINT batch"),
@@ -904,8 +1236,8 @@ async fn write_step(
         .await?;
     let insert_stmt = client
         .prepare_cached(
-            "INSERT INTO outbox(event_id, flow_id, seq, kind, schema, body, committed_at_us)
-             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            "INSERT INTO outbox(event_id, flow_id, seq, kind, schema, body, committed_at_us, partition)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
         )
         .await?;
     let seq = seq_param(flow.seq)?;
@@ -926,8 +1258,9 @@ async fn write_step(
     crash.reach(CrashPoint::ProducerAfterFlowUpdate);
     let schema = i32::try_from(event.schema).unwrap_or(i32::MAX);
     let now = runtime::now_us();
-    let insert_params: Params<'_, 7> =
-        [&event.event_id, &event.flow_id, &seq, &event.kind, &schema, &event.body, &now];
+    let partition = partition_param(&event.flow_id);
+    let insert_params: Params<'_, 8> =
+        [&event.event_id, &event.flow_id, &seq, &event.kind, &schema, &event.body, &now, &partition];
     let (inserted, released) = futures::join!(
         client.execute(&insert_stmt, &insert_params),
         client.batch_execute("RELEASE SAVEPOINT step"),

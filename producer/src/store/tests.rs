@@ -220,7 +220,7 @@ async fn a_trigger_rejecting_one_outbox_insert_fails_that_call_alone() {
 }
 
 fn accepted(event_id: &str, answer: DeliveryAnswer, position: u64) -> Recorded {
-    Recorded { event_id: event_id.into(), answer, position }
+    Recorded { event_id: event_id.into(), answer, position, fence: None }
 }
 
 #[tokio::test]
@@ -495,4 +495,103 @@ async fn two_producers_on_one_schema_commit_each_step_once() {
         assert_eq!((state.seq, rows.len()), (2, 2));
     }
     assert_eq!(place.text("SELECT CAST(unaccepted AS TEXT) FROM backlog").await.as_deref(), Some("10"));
+}
+
+/// Version 1 to 2 in place: rows written before the upgrade get the partition the producer
+/// computes ([`proto::partition::flow_partition`]), by the same function in SQL, and the
+/// SQL function agrees with the Rust one on ids of every shape.
+#[tokio::test]
+async fn the_upgrade_to_version_2_computes_every_rows_partition_as_the_producer_does() {
+    let Some(db) = TestDb::create("producer_store_upgrade_2") else { return };
+    let place = Place::Postgres(db);
+    let flows = ["A", "B", "flow-1", "x~y", "a-much-longer-flow-identifier-0123456789"];
+    {
+        let store = place.open(None).await;
+        for (i, flow) in flows.iter().enumerate() {
+            let c = cmd_on(flow, &format!("e{i}"), 0, "reserved", 1, 3);
+            assert_eq!(outcome(&store, c).await, AdvanceOutcome::Committed);
+        }
+    }
+    // Back to version 1's shape, rows kept.
+    place
+        .sql(
+            "",
+            "DROP TABLE relay_lease; DROP TABLE relay_instance; DROP FUNCTION flow_partition(text);
+             ALTER TABLE outbox DROP COLUMN partition, DROP COLUMN marked_by, DROP COLUMN marked_epoch;
+             UPDATE meta SET schema_version = 1;",
+        )
+        .await;
+    let store = place.open(None).await;
+    let Place::Postgres(db) = &place else { unreachable!() };
+    let client = pg_client(db).await;
+    let version: i32 = client.query_one("SELECT schema_version FROM meta", &[]).await.unwrap().get(0);
+    assert_eq!(version, 2);
+    let rows = client.query("SELECT flow_id, partition FROM outbox", &[]).await.unwrap();
+    assert_eq!(rows.len(), flows.len());
+    for row in rows {
+        let (flow, partition): (String, i16) = (row.get(0), row.get(1));
+        assert_eq!(partition as u16, proto::partition::flow_partition(&flow), "{flow}");
+    }
+    let odd = ["", "x y", "\u{fc}n\u{ef}code"].map(String::from);
+    for flow in flows.iter().map(|f| f.to_string()).chain(odd).chain((0..500).map(|i| format!("flow-{i}"))) {
+        let sql: i16 = client.query_one("SELECT flow_partition($1)", &[&flow]).await.unwrap().get(0);
+        assert_eq!(sql as u16, proto::partition::flow_partition(&flow), "{flow:?}");
+    }
+    // A row written after the upgrade carries its partition too.
+    assert_eq!(
+        outcome(&store, cmd_on("late", "late1", 0, "reserved", 1, 3)).await,
+        AdvanceOutcome::Committed
+    );
+    let late: i16 =
+        client.query_one("SELECT partition FROM outbox WHERE event_id = 'late1'", &[]).await.unwrap().get(0);
+    assert_eq!(late as u16, proto::partition::flow_partition("late"));
+}
+
+/// The fence: a mark under a lease another relay has since taken lands on no row, and the
+/// store says which partition refused it; the new owner's mark lands.
+#[tokio::test]
+async fn a_mark_under_a_lost_lease_lands_nowhere() {
+    let Some(db) = TestDb::create("producer_store_fence") else { return };
+    let place = Place::Postgres(db);
+    let store = place.open(None).await;
+    assert_eq!(outcome(&store, cmd("A1", 0, "reserved", 1, 3)).await, AdvanceOutcome::Committed);
+    assert_eq!(outcome(&store, cmd("A2", 1, "confirmed", 1, 3)).await, AdvanceOutcome::Committed);
+    let p = proto::partition::flow_partition("A");
+    // r1 takes it with a lease that expires at once; r2 takes it over.
+    let r1 = store.lease_acquire("r1", 0, vec![p]).await.unwrap();
+    assert_eq!(r1, [(p, 1)]);
+    let r2 = store.lease_acquire("r2", 60_000_000, vec![p]).await.unwrap();
+    assert_eq!(r2, [(p, 2)]);
+    assert!(store.lease_acquire("r3", 60_000_000, vec![p]).await.unwrap().is_empty(), "held by r2");
+    let fenced = |owner: &str, epoch| {
+        let fence = Fence { owner: owner.into(), partition: p, epoch };
+        move |id: &str| Recorded { fence: Some(fence.clone()), ..accepted(id, DeliveryAnswer::Accepted, 0) }
+    };
+    let late = store.record_deliveries(vec![fenced("r1", 1)("A1")], None).await.unwrap();
+    assert_eq!(late, [p]);
+    assert_eq!(store.unaccepted_in((String::new(), 0), 10, vec![p]).await.unwrap().len(), 2);
+    let on_time = store.record_deliveries(vec![fenced("r2", 2)("A1")], None).await.unwrap();
+    assert!(on_time.is_empty());
+    let left = store.unaccepted_in((String::new(), 0), 10, vec![p]).await.unwrap();
+    assert_eq!(left.iter().map(|r| r.event_id.as_str()).collect::<Vec<_>>(), ["A2"]);
+    assert!(store.unaccepted_in((String::new(), 0), 10, vec![(p + 1) % 64]).await.unwrap().is_empty());
+    let Place::Postgres(db) = &place else { unreachable!() };
+    let client = pg_client(db).await;
+    let row = client
+        .query_one("SELECT marked_by, marked_epoch FROM outbox WHERE event_id = 'A1'", &[])
+        .await
+        .unwrap();
+    assert_eq!((row.get::<_, Option<String>>(0), row.get::<_, Option<i64>>(1)), (Some("r2".into()), Some(2)));
+    let backlog: i64 = client.query_one("SELECT unaccepted FROM backlog", &[]).await.unwrap().get(0);
+    assert_eq!(backlog, 1);
+    // A heartbeat renews what r2 still holds and not what r1 lost; a release frees it.
+    let view = store.lease_heartbeat("r1", 60_000_000, vec![(p, 1)]).await.unwrap();
+    assert!(view.renewed.is_empty());
+    let view = store.lease_heartbeat("r2", 60_000_000, vec![(p, 2)]).await.unwrap();
+    assert_eq!((view.renewed.as_slice(), view.leases.len(), view.live_relays), (&[(p, 2)][..], 64, 2));
+    assert!(!view.leases[p as usize].free);
+    assert_eq!(store.lease_release("r2", vec![(p, 2)], true).await.unwrap(), [p]);
+    let view = store.lease_heartbeat("r1", 60_000_000, Vec::new()).await.unwrap();
+    assert!(view.leases[p as usize].free);
+    assert_eq!(view.live_relays, 1);
 }

@@ -16,6 +16,7 @@ mod metrics;
 mod model;
 mod producer;
 mod relay;
+mod relay_instances;
 mod relay_liveness;
 mod rolling_upgrade;
 mod scenarios;

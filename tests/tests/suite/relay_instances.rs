@@ -1,0 +1,498 @@
+//! Several `relay run` on one PostgreSQL outbox (issue 15), real processes: the relays split
+//! the 64 partitions through leases; a relay frozen past its lease cannot record anything
+//! after it resumes (fencing, checked on the rows: who marked each and under which epoch);
+//! a relay killed with rows waiting has its partitions delivered by another within the
+//! configured bound; and 3 producers, 3 relays and 3 consumers under concurrent load apply
+//! every event exactly once, each flow a contiguous prefix (the chaos checker's invariants).
+//! PostgreSQL only: on SQLite one relay serves the outbox.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use harness::background::{RelayDaemon, wait_for};
+use harness::checker::{AdvanceRecord, Answer, Files, History, Intent, check, wait_drained};
+use harness::db::{self, PgSession};
+use harness::proc::{ServerProcess, signal};
+use harness::{Backend, Consumer, Producer, Target, Workdir};
+use proto::pb;
+
+const DEADLINE: Duration = Duration::from_secs(60);
+/// The lease ttl the tests run with: short, so takeovers happen within seconds.
+const TTL_MS: u64 = 1500;
+
+/// Returns true (after one loud line) when the suite does not run on PostgreSQL.
+fn skipped_without_postgres() -> bool {
+    if Backend::current() == Backend::Postgres {
+        return false;
+    }
+    let _ = std::io::Write::write_all(
+        &mut std::io::stderr(),
+        format!(
+            "SKIPPED on {} (PostgreSQL only; runs in the PostgreSQL pass): several relays share an outbox only on PostgreSQL\n",
+            Backend::current()
+        )
+        .as_bytes(),
+    );
+    true
+}
+
+fn url(target: &Target) -> &str {
+    match target {
+        Target::Postgres(url) => url,
+        Target::Sqlite(_) => unreachable!("PostgreSQL only"),
+    }
+}
+
+/// Runs one read on the producer schema.
+fn query<T: Send + 'static>(
+    target: &Target,
+    sql: &'static str,
+    read: impl Fn(&postgres::Row) -> T + Send + 'static,
+) -> Vec<T> {
+    let session = PgSession::connect(url(target), true).unwrap_or_else(|e| panic!("{e}"));
+    session
+        .run(move |c| {
+            c.batch_execute("SET search_path = ordered_events_producer").map_err(|e| e.to_string())?;
+            c.query(sql, &[])
+                .map(|rows| rows.iter().map(&read).collect::<Vec<T>>())
+                .map_err(|e| e.to_string())
+        })
+        .and_then(|r| r)
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+}
+
+/// Partitions held per owner (live leases only).
+fn owners(target: &Target) -> BTreeMap<String, usize> {
+    let rows = query(
+        target,
+        "SELECT owner FROM relay_lease
+         WHERE owner IS NOT NULL AND expires_at_us >= (extract(epoch FROM clock_timestamp()) * 1000000)::bigint",
+        |r| r.get::<_, String>(0),
+    );
+    let mut held = BTreeMap::new();
+    for owner in rows {
+        *held.entry(owner).or_default() += 1;
+    }
+    held
+}
+
+/// `(event_id, accepted, marked_by, marked_epoch, partition)` of every outbox row.
+type Marked = (String, bool, Option<String>, Option<i64>, i16);
+
+fn marks(target: &Target) -> Vec<Marked> {
+    query(
+        target,
+        "SELECT event_id, accepted = 1, marked_by, marked_epoch, partition FROM outbox ORDER BY event_id",
+        |r| (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4)),
+    )
+}
+
+/// The relay's `lease` lines so far.
+fn lease_lines(daemon: &RelayDaemon) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(&daemon.stdout)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["type"] == "lease")
+        .collect()
+}
+
+/// The relay's instance id, from its first lease line.
+fn instance_of(daemon: &RelayDaemon) -> Option<String> {
+    lease_lines(daemon).first().and_then(|l| l["instance"].as_str().map(str::to_owned))
+}
+
+fn relay_run(
+    work: &Workdir,
+    name: &str,
+    producer_db: &Target,
+    consumers: &str,
+    extra: &[&str],
+) -> RelayDaemon {
+    let ttl = TTL_MS.to_string();
+    let mut args = vec!["--lease-ttl-ms", ttl.as_str(), "--poll-ms", "20"];
+    args.extend_from_slice(extra);
+    RelayDaemon::start(
+        work.dir.path(),
+        name,
+        producer_db,
+        consumers,
+        &args,
+        &[("RUST_LOG", "info,relay=debug")],
+    )
+}
+
+fn auto_consumer(work: &Workdir, log: &str) -> Consumer {
+    let db = work.consumer_db();
+    let args: Vec<String> =
+        ["--db", &db.arg(), "--listen", "127.0.0.1:0", "--auto-apply"].map(String::from).into();
+    Consumer { process: ServerProcess::start("consumer", &args, &[], work.path(log)), db }
+}
+
+/// Commits one `reserved` step on each of `flows`, eight calls at a time.
+async fn commit_flows(producer: &Producer, flows: &[String]) {
+    let url = producer.process.url();
+    let mut tasks = Vec::new();
+    for chunk in flows.chunks(flows.len().div_ceil(8).max(1)) {
+        let chunk = chunk.to_vec();
+        let url = url.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut client = pb::producer_client::ProducerClient::new(harness::proc::connect(&url).await);
+            for flow in chunk {
+                let req = harness::advance(&flow, &format!("{flow}1"), 0, "reserved", 1);
+                let r = client.advance(req).await.expect("advance").into_inner();
+                assert_eq!(
+                    pb::AdvanceOutcome::try_from(r.outcome),
+                    Ok(pb::AdvanceOutcome::Committed),
+                    "{r:?}"
+                );
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("commit task");
+    }
+}
+
+/// Every outbox row accepted, and applied exactly once (one effect per event).
+fn assert_applied_once(work: &Workdir, producer_db: &Target) {
+    wait_for(
+        DEADLINE,
+        || {
+            let effects = db::effects(&work.consumer_db());
+            (db::outbox(producer_db).iter().all(|r| r.accepted)
+                && effects.len() == db::outbox(producer_db).len())
+            .then_some(())
+        },
+        || format!("outbox {:?}", db::outbox(producer_db).iter().filter(|r| !r.accepted).collect::<Vec<_>>()),
+    );
+    let effects = db::effects(&work.consumer_db());
+    let ids: BTreeSet<&str> = effects.iter().map(|e| e.event_id.as_str()).collect();
+    assert_eq!(ids.len(), effects.len(), "an event has two effects: {effects:?}");
+    let outbox: BTreeSet<String> = db::outbox(producer_db).into_iter().map(|r| r.event_id).collect();
+    assert_eq!(ids, outbox.iter().map(String::as_str).collect(), "effects and outbox differ");
+}
+
+/// A relay frozen (SIGSTOP) with answers not yet recorded, past its lease: a second relay
+/// takes every partition over and delivers the rows again; after SIGCONT the first relay's
+/// late marks land nowhere (no row gains its mark under the epochs it lost), it says so
+/// loudly, and it later works again under new epochs. Nothing is lost; each event is applied once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_relay_cannot_mark_after_its_partitions_were_taken_over() {
+    if skipped_without_postgres() {
+        return;
+    }
+    let Some(work) = Workdir::for_test() else { return };
+    let producer = Producer::start(&work, &[]);
+    let consumer = auto_consumer(&work, "consumer.log");
+    let consumer_url = consumer.process.url();
+    // Rows wait before the relay starts; it then sends them all at once (the window holds
+    // them) and records the answers only when every one has come (or after 5 s): the freeze
+    // below lands between its sends and its marks.
+    let flows: Vec<String> = (0..3000).map(|i| format!("F{i}")).collect();
+    commit_flows(&producer, &flows).await;
+    let mut a = relay_run(
+        &work,
+        "relay-a",
+        &producer.db,
+        &consumer_url,
+        &[
+            "--window",
+            "4096",
+            "--mark-batch",
+            "4096",
+            "--mark-delay-ms",
+            "5000",
+            "--answer-timeout-ms",
+            "600000",
+        ],
+    );
+    wait_for(DEADLINE, || a.log_text().contains("relay::pass: sent").then_some(()), || a.log_text());
+    let pid = a.pid().expect("relay a runs");
+    signal(pid, libc::SIGSTOP);
+    let a_id = instance_of(&a).expect("relay a wrote its lease line");
+    let before: Vec<Marked> = marks(&producer.db);
+    let marked_by_a_before: BTreeSet<String> =
+        before.iter().filter(|m| m.2.as_deref() == Some(a_id.as_str())).map(|m| m.0.clone()).collect();
+    assert!(before.iter().any(|m| !m.1), "the freeze came after every mark");
+    // B takes everything over once A's leases expire, and delivers every row.
+    let b = relay_run(&work, "relay-b", &producer.db, &consumer_url, &[]);
+    wait_for(
+        DEADLINE,
+        || {
+            let b_id = instance_of(&b)?;
+            (owners(&producer.db).get(&b_id) == Some(&64)).then_some(())
+        },
+        || format!("{:?}; b: {}", owners(&producer.db), b.log_text()),
+    );
+    wait_for(DEADLINE, || db::outbox(&producer.db).iter().all(|r| r.accepted).then_some(()), || b.log_text());
+    signal(pid, libc::SIGCONT);
+    // A resumes: its answers are late; the fence (or its heartbeat first) keeps them out.
+    wait_for(
+        DEADLINE,
+        || {
+            let log = a.log_text();
+            (log.contains("LEASE LOST")
+                && (log.contains("refused by the fence") || log.contains("are not recorded")))
+            .then_some(())
+        },
+        || a.log_text(),
+    );
+    // Which guard kept the late answers out (both must): the database's fence, or the
+    // relay's own view after its heartbeat found the leases gone first.
+    let path = if a.log_text().contains("refused by the fence") {
+        "the fence in the mark statement"
+    } else {
+        "the relay's lease view"
+    };
+    let _ = std::io::Write::write_all(
+        &mut std::io::stderr(),
+        format!("late answers kept out by {path}\n").as_bytes(),
+    );
+    // The epochs A lost: everything it took before the freeze (all at epoch 1 on a fresh
+    // database). No row gained a mark by A under them.
+    let after = marks(&producer.db);
+    let late: Vec<&Marked> = after
+        .iter()
+        .filter(|m| {
+            m.2.as_deref() == Some(a_id.as_str()) && m.3 == Some(1) && !marked_by_a_before.contains(&m.0)
+        })
+        .collect();
+    assert!(late.is_empty(), "marks by the frozen relay landed after the takeover: {late:?}");
+    // A works again under new epochs once B hands back its share; new rows are delivered.
+    let more: Vec<String> = (0..40).map(|i| format!("G{i}")).collect();
+    commit_flows(&producer, &more).await;
+    assert_applied_once(&work, &producer.db);
+    wait_for(
+        DEADLINE,
+        || {
+            let held = owners(&producer.db);
+            (held.get(&a_id).is_some_and(|n| *n > 0) && held.values().sum::<usize>() == 64).then_some(())
+        },
+        || format!("{:?}; a: {}", owners(&producer.db), a.log_text()),
+    );
+    let lost = lease_lines(&a).into_iter().filter(|l| l["event"] == "lost").count();
+    assert!(lost >= 1, "relay a wrote no lease lost line");
+    a.kill();
+}
+
+/// A relay killed (SIGKILL) while rows of its partitions wait: the other relay takes them
+/// over and delivers every row within the configured bound (ttl + ttl/3, plus the time to
+/// deliver); each event is applied once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_relays_partitions_are_delivered_by_another_within_the_bound() {
+    if skipped_without_postgres() {
+        return;
+    }
+    let Some(work) = Workdir::for_test() else { return };
+    let producer = Producer::start(&work, &[]);
+    let consumer = auto_consumer(&work, "consumer.log");
+    let consumer_url = consumer.process.url();
+    let mut a = relay_run(&work, "relay-a", &producer.db, &consumer_url, &[]);
+    wait_for(
+        DEADLINE,
+        || (owners(&producer.db).values().sum::<usize>() == 64).then_some(()),
+        || a.log_text(),
+    );
+    let b = relay_run(&work, "relay-b", &producer.db, &consumer_url, &[]);
+    // They split the partitions: 32 each.
+    wait_for(
+        DEADLINE,
+        || {
+            let held = owners(&producer.db);
+            (held.len() == 2 && held.values().all(|n| *n == 32)).then_some(())
+        },
+        || format!("{:?}", owners(&producer.db)),
+    );
+    let a_id = instance_of(&a).expect("relay a wrote its lease line");
+    a.kill();
+    let flows: Vec<String> = (0..64).map(|i| format!("K{i}")).collect();
+    commit_flows(&producer, &flows).await;
+    let waiting = marks(&producer.db);
+    let a_partitions: BTreeSet<i16> = query(&producer.db, "SELECT partition, owner FROM relay_lease", |r| {
+        (r.get::<_, i16>(0), r.get::<_, Option<String>>(1))
+    })
+    .into_iter()
+    .filter(|(_, o)| o.as_deref() == Some(a_id.as_str()))
+    .map(|(p, _)| p)
+    .collect();
+    assert!(
+        waiting.iter().any(|m| !m.1 && a_partitions.contains(&m.4)),
+        "rows of the killed relay's partitions wait: {waiting:?}"
+    );
+    // The bound: the lease expires ttl after its last renewal, and B's heartbeat (every
+    // ttl/3) takes it; delivering the rows then takes moments. 5 s of slack for a loaded host.
+    let bound = Duration::from_millis(TTL_MS + TTL_MS / 3) + Duration::from_secs(5);
+    wait_for(
+        bound,
+        || db::outbox(&producer.db).iter().all(|r| r.accepted).then_some(()),
+        || format!("{:?}; b: {}", owners(&producer.db), b.log_text()),
+    );
+    let b_id = instance_of(&b).expect("relay b wrote its lease line");
+    assert_eq!(owners(&producer.db).get(&b_id), Some(&64), "b holds every partition");
+    assert!(marks(&producer.db).iter().all(|m| m.2.as_deref() == Some(b_id.as_str())), "b marked every row");
+    // GetFlow says where a flow lives and who holds it.
+    let flow =
+        producer.client().await.get_flow(pb::GetFlowRequest { flow_id: "K7".into() }).await.expect("GetFlow");
+    let flow = flow.into_inner();
+    assert_eq!(flow.partition, Some(u32::from(proto::partition::flow_partition("K7"))));
+    assert_eq!(flow.lease_owner, b_id);
+    assert!(flow.lease_epoch >= 2, "{flow:?}");
+    assert_applied_once(&work, &producer.db);
+}
+
+/// The answer a client records.
+fn answer_of(resp: &pb::AdvanceResponse) -> Answer {
+    let body = resp.event.as_ref().map(|e| e.body.clone()).unwrap_or_default();
+    match pb::AdvanceOutcome::try_from(resp.outcome) {
+        Ok(pb::AdvanceOutcome::Committed) => Answer::Committed { body },
+        Ok(pb::AdvanceOutcome::Existing) => Answer::Existing { body },
+        Ok(pb::AdvanceOutcome::Conflict) => Answer::Conflict { body },
+        Ok(pb::AdvanceOutcome::Stale) => Answer::Stale,
+        Ok(pb::AdvanceOutcome::InvalidTransition) => Answer::InvalidTransition,
+        other => Answer::Other { what: format!("outcome {other:?}: {}", resp.detail) },
+    }
+}
+
+/// 3 producers, 3 relays and 3 consumers (auto-apply) on one database under concurrent
+/// load, each step sent to two producers at once: the checker's invariants hold (every
+/// committed event applied exactly once, every flow a contiguous prefix, nothing refused
+/// applied, pending work drained, the backlog counters exact).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_of_each_on_one_database_apply_every_event_once_in_order() {
+    if skipped_without_postgres() {
+        return;
+    }
+    let Some(work) = Workdir::for_test() else { return };
+    let producers: Vec<Producer> = (0..3)
+        .map(|i| Producer::start_on(work.producer_db(), work.path(&format!("producer-{i}.log")), &[]))
+        .collect();
+    let consumers: Vec<Consumer> =
+        (0..3).map(|i| auto_consumer(&work, &format!("consumer-{i}.log"))).collect();
+    let _relays: Vec<RelayDaemon> = (0..3)
+        .map(|i| {
+            relay_run(&work, &format!("relay-{i}"), &work.producer_db(), &consumers[i].process.url(), &[])
+        })
+        .collect();
+    // The three split the partitions before the load starts: every one held, none holding
+    // more than its fair share (ceil(64 / 3) = 22).
+    wait_for(
+        DEADLINE,
+        || {
+            let held = owners(&work.producer_db());
+            (held.len() == 3 && held.values().sum::<usize>() == 64 && held.values().all(|n| *n <= 22))
+                .then_some(())
+        },
+        || format!("{:?}", owners(&work.producer_db())),
+    );
+    let history = Arc::new(std::sync::Mutex::new(History::default()));
+    let urls: Vec<String> = producers.iter().map(|p| p.process.url()).collect();
+    let mut tasks = Vec::new();
+    for worker in 0..6usize {
+        let urls = urls.clone();
+        let history = history.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut clients = Vec::new();
+            for url in &urls {
+                clients.push(pb::producer_client::ProducerClient::new(harness::proc::connect(url).await));
+            }
+            for n in 0..15usize {
+                let flow = format!("w{worker}f{n}");
+                for (s, kind) in ["reserved", "confirmed", "released"].iter().enumerate() {
+                    let req = pb::AdvanceRequest {
+                        flow_id: flow.clone(),
+                        event_id: format!("{flow}-{}", s + 1),
+                        expected_seq: s as u64,
+                        kind: (*kind).into(),
+                        schema: 1,
+                        amount: 5,
+                    };
+                    // The same step on two producers at once: one commits, the other answers EXISTING.
+                    let (i, j) = ((worker + n + s) % 3, (worker + n + s + 1) % 3);
+                    let (mut ci, mut cj) = (clients[i].clone(), clients[j].clone());
+                    let (ri, rj) = tokio::join!(ci.advance(req.clone()), cj.advance(req.clone()));
+                    let mut h = history.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                    for r in [ri, rj] {
+                        let answer = match r {
+                            Ok(resp) => answer_of(resp.get_ref()),
+                            Err(status) => Answer::Unknown { error: status.to_string() },
+                        };
+                        h.advances.push(AdvanceRecord {
+                            flow_id: req.flow_id.clone(),
+                            event_id: req.event_id.clone(),
+                            expected_seq: req.expected_seq,
+                            kind: req.kind.clone(),
+                            schema: req.schema,
+                            amount: req.amount,
+                            intent: Intent::Step,
+                            answer,
+                        });
+                    }
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("load task");
+    }
+    let files = Files { producer_db: work.producer_db(), consumer_db: work.consumer_db() };
+    let drain = wait_drained(&files, DEADLINE);
+    let history = history.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+    let verdict = check(&files, &history, &drain);
+    assert!(verdict.ok(), "{}", verdict.summary_lines().join("\n"));
+    assert_eq!(verdict.committed_events, 6 * 15 * 3);
+    assert_eq!(verdict.effects, 6 * 15 * 3);
+    // The three relays shared the work: each marked rows.
+    let markers: BTreeSet<String> = marks(&work.producer_db()).into_iter().filter_map(|m| m.2).collect();
+    assert_eq!(markers.len(), 3, "marked by {markers:?}");
+}
+
+/// `--consumer` twice (two consumer instances on one database): `run` delivers through one;
+/// when that one dies it fails over to the other and delivers everything committed since.
+/// Both backends (several consumers share a SQLite file too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_fails_over_to_another_consumer_on_the_same_database() {
+    let Some(work) = Workdir::for_test() else { return };
+    let producer = Producer::start(&work, &[]);
+    let mut consumers: Vec<Consumer> = (0..2)
+        .map(|i| Consumer::start_on(work.consumer_db(), work.path(&format!("consumer-{i}.log")), false, &[]))
+        .collect();
+    let urls: Vec<String> = consumers.iter().map(|c| c.process.url()).collect();
+    let relay = RelayDaemon::start_command(
+        std::process::Command::new(harness::bin_path("relay")),
+        work.dir.path(),
+        "relay",
+        &producer.db,
+        &urls[0],
+        &["--consumer", &urls[1], "run", "--delivery-lines", "--poll-ms", "20"],
+        &[],
+    );
+    commit_flows(&producer, &["A".to_owned(), "B".to_owned()]).await;
+    wait_for(
+        DEADLINE,
+        || db::outbox(&producer.db).iter().all(|r| r.accepted).then_some(()),
+        || relay.log_text(),
+    );
+    let log = relay.log_text();
+    let used =
+        urls.iter().position(|u| log.contains(&format!("delivering url={u}"))).expect("a consumer was used");
+    consumers[used].process.kill();
+    let more: Vec<String> = (0..20).map(|i| format!("M{i}")).collect();
+    commit_flows(&producer, &more).await;
+    wait_for(
+        DEADLINE,
+        || db::outbox(&producer.db).iter().all(|r| r.accepted).then_some(()),
+        || relay.log_text(),
+    );
+    let log = relay.log_text();
+    assert!(log.contains("failing over to the next consumer"), "{log}");
+    assert!(log.contains(&format!("delivering url={}", urls[1 - used])), "{log}");
+    assert_eq!(db::inbox(&work.consumer_db()).len(), 22);
+    // GetFlow names the flow's partition on PostgreSQL only (SQLite's answer is unchanged).
+    let flow =
+        producer.client().await.get_flow(pb::GetFlowRequest { flow_id: "A".into() }).await.expect("GetFlow");
+    let expected =
+        (work.backend() == Backend::Postgres).then(|| u32::from(proto::partition::flow_partition("A")));
+    assert_eq!(flow.into_inner().partition, expected);
+}
