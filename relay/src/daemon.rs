@@ -66,6 +66,7 @@ pub async fn run(
                 instance = leases.instance(), ttl = ?settings.lease_ttl,
                 "sharing the outbox with other relays through partition leases"
             );
+            let _ = crate::lease::CURRENT.set(leases.clone());
             leased_ledger = ledger.clone().with_leases(leases.clone());
             keeper = Some(tokio::spawn(leases.clone().keep(ledger.clone(), stop.clone())));
             &leased_ledger

@@ -35,6 +35,10 @@ struct Held {
     releasing: bool,
 }
 
+/// The leases of this process's `relay run`, for the metrics scrape (set once it shares
+/// the outbox through leases).
+pub(crate) static CURRENT: std::sync::OnceLock<Leases> = std::sync::OnceLock::new();
+
 /// This relay's leases, shared by the heartbeat task and the passes.
 #[derive(Clone)]
 pub struct Leases {

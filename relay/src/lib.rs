@@ -140,12 +140,22 @@ pub struct Config {
 }
 
 /// What the relay's `/metrics` serves: deliveries by answer, its mark transactions and, on
-/// PostgreSQL, its pool's connections (once the producer database is open).
+/// PostgreSQL, its pool's connections (once the producer database is open) and, for `run`
+/// sharing the outbox, the partition leases it holds.
 pub fn metrics_exposition() -> runtime::metrics::Exposition {
     static FAMILIES: [&dyn runtime::metrics::Expose; 2] = [&output::DELIVERIES, &runtime::batches::FAMILIES];
     let pool = || -> Result<Vec<runtime::metrics::GaugeSample>, String> {
         let status = ledger::LEDGER_STORE.get().and_then(|store| store.pool_status());
-        Ok(status.map(|s| s.gauges("relay")).unwrap_or_default())
+        let mut gauges = status.map(|s| s.gauges("relay")).unwrap_or_default();
+        if let Some(leases) = lease::CURRENT.get() {
+            gauges.push(runtime::metrics::GaugeSample {
+                name: "ordered_events_relay_partitions_held",
+                help: "Outbox partitions this relay instance holds a lease on (of 64; absent without leases).",
+                labels: Vec::new(),
+                value: leases.held() as f64,
+            });
+        }
+        Ok(gauges)
     };
     runtime::metrics::Exposition::new(&FAMILIES, Some(std::sync::Arc::new(pool)))
 }

@@ -119,6 +119,13 @@ async fn metrics_count_what_the_pipeline_answered() {
     assert_eq!(m.get("ordered_events_relay_deliveries_total", &[("answer", "sequence_conflict")]), 0.0);
     assert_eq!(m.get("ordered_events_transaction_items_sum", &[("writer", "mark")]), 5.0);
     assert_pool(&m, "relay", 2.0);
+    // Alone on a PostgreSQL outbox, the relay holds every partition's lease; on SQLite it
+    // takes none and the gauge is absent.
+    let held = m.value("ordered_events_relay_partitions_held", &[]);
+    match work.backend() {
+        harness::Backend::Postgres => assert_eq!(held, Some(64.0)),
+        harness::Backend::Sqlite => assert_eq!(held, None),
+    }
     m.save("relay");
     let run = relay.terminate(DEADLINE);
     assert_eq!(run.code, Some(0), "{run:?}");
