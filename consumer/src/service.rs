@@ -57,6 +57,8 @@ pub struct ConsumerService {
     writer: mpsc::Sender<ReceiveJob>,
     stopping: Arc<watch::Sender<bool>>,
     storage: &'static StorageWatch,
+    /// How this process describes itself to ListStuck callers.
+    instance: pb::ConsumerInstance,
 }
 
 /// One envelope of a stream, in read order: answered already, or waiting for its commit.
@@ -77,7 +79,13 @@ impl ConsumerService {
     /// Receive writer task (call it on the runtime that will serve).
     pub async fn open(config: &Config) -> Result<ConsumerService, OpenError> {
         let store = ConsumerStore::open(&config.db).await?;
+        let instance = pb::ConsumerInstance {
+            instance_id: format!("consumer-{}-{:x}", std::process::id(), runtime::now_us()),
+            support_v2: config.support_v2,
+            auto_apply: config.auto_apply,
+        };
         tracing::info!(
+            instance = %instance.instance_id,
             v2_decoder = if config.support_v2 { "enabled" } else { "disabled" },
             max_batch = config.max_batch,
             apply_batch = config.apply_batch,
@@ -108,7 +116,14 @@ impl ConsumerService {
                 admission: config.admission,
             },
         );
-        Ok(ConsumerService { store, opts, writer, stopping: Arc::new(watch::channel(false).0), storage })
+        Ok(ConsumerService {
+            store,
+            opts,
+            writer,
+            stopping: Arc::new(watch::channel(false).0),
+            storage,
+            instance,
+        })
     }
 
     /// The store this service uses.
@@ -518,7 +533,11 @@ impl pb::consumer_server::Consumer for ConsumerService {
                 stuck
             })
             .collect();
-        Ok(Response::new(pb::ListStuckResponse { flows, unapplied_rows: total }))
+        Ok(Response::new(pb::ListStuckResponse {
+            flows,
+            unapplied_rows: total,
+            answered_by: Some(self.instance.clone()),
+        }))
     }
 }
 

@@ -10,7 +10,7 @@ use std::time::Duration;
 use harness::background::{RelayDaemon, wait_for};
 use harness::proc::{ServerProcess, server_args};
 use harness::{Consumer, Producer, Target, Workdir, db};
-use proto::pb::{AdvanceOutcome, ApplyStop, BlockReason};
+use proto::pb::{AdvanceOutcome, ApplyStop, BlockReason, ListStuckRequest};
 
 const DEADLINE: Duration = Duration::from_secs(60);
 
@@ -91,6 +91,14 @@ async fn a_v1_and_a_v2_consumer_on_one_database_upgrade_with_no_downtime() {
     assert_eq!(BlockReason::try_from(said.reason), Ok(BlockReason::UnsupportedSchema), "{said:?}");
     assert_eq!(said.applied, 0);
 
+    // ListStuck says which instance answered: this one cannot read schema 2.
+    let stuck =
+        old.client().await.list_stuck(ListStuckRequest { limit: 0 }).await.expect("ListStuck").into_inner();
+    assert_eq!(stuck.flows.len(), 10, "{stuck:?}");
+    let by = stuck.answered_by.expect("answered_by");
+    assert!(by.instance_id.starts_with("consumer-") && !by.support_v2 && by.auto_apply, "{by:?}");
+    assert!(old.process.log_text().contains(&by.instance_id), "the instance id is logged at start-up");
+
     // The new instance starts beside the old one and applies what it left blocked.
     let new = start_consumer(&work, "consumer-v2", &["--support-v2"]);
     let read = |name: &str| std::fs::read_to_string(work.path(name)).unwrap_or_default();
@@ -106,6 +114,11 @@ async fn a_v1_and_a_v2_consumer_on_one_database_upgrade_with_no_downtime() {
     assert_eq!((said.applied, ApplyStop::try_from(said.stop)), (0, Ok(ApplyStop::Idle)), "{said:?}");
     let said = new.apply("during0").await;
     assert_eq!((said.applied, ApplyStop::try_from(said.stop)), (0, Ok(ApplyStop::Idle)), "{said:?}");
+    let stuck =
+        new.client().await.list_stuck(ListStuckRequest { limit: 0 }).await.expect("ListStuck").into_inner();
+    assert!(stuck.flows.is_empty(), "{stuck:?}");
+    let new_by = stuck.answered_by.expect("answered_by");
+    assert!(new_by.support_v2 && new_by.instance_id != by.instance_id, "{new_by:?}");
 
     // The old instance stops; the new one takes the deliveries and nothing is lost.
     assert_eq!(old.process.terminate(DEADLINE).code(), Some(0));
