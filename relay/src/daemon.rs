@@ -84,6 +84,11 @@ pub async fn run(
     let mut held: HashMap<String, Waiting> = HashMap::new();
     let mut deferred: HashMap<String, Waiting> = HashMap::new();
     let mut reconnect = Backoff::new(RECONNECT_FIRST, settings.max_backoff);
+    // Polling adapts: right after a pass that sent something the next poll comes soon (new
+    // rows usually follow), and each idle pass doubles the pause up to `--poll-ms`, so an
+    // idle relay costs what it did with a fixed interval and a busy one finds rows sooner.
+    let mut idle_poll =
+        Backoff::new((settings.poll_interval / 16).max(Duration::from_millis(1)), settings.poll_interval);
     let mut link = LinkState::Starting;
     let mut session: Option<Session> = None;
     let mut progress = Progress { at: Instant::now(), sent: 0 };
@@ -127,6 +132,9 @@ pub async fn run(
                 reconnect.reset();
                 let idle = result.sent == 0;
                 note_waiting_flows(result, &skip, &mut held, &mut deferred, settings.max_backoff);
+                if !idle {
+                    idle_poll.reset();
+                }
                 if idle {
                     // A consumer restarted on a restored database gives an idle relay no row
                     // to fail on: ask it who it is now and then.
@@ -141,7 +149,7 @@ pub async fn run(
                         tracing::debug!("stream idle; closing it before the consumer's idle timeout does");
                         session = None;
                     }
-                    pause(settings.poll_interval, stop).await;
+                    pause(idle_poll.next_wait(), stop).await;
                 }
             }
             Err(e) if e.is_retried_by_run() => {

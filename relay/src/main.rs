@@ -132,7 +132,9 @@ enum ModeArg {
     /// Deliver continuously until SIGTERM/SIGINT, picking up newly committed rows, reconnecting
     /// with capped, jittered backoff whenever the stream fails or the consumer stops answering.
     Run {
-        /// Pause between polls when nothing was deliverable, in milliseconds.
+        /// The longest pause between polls when nothing was deliverable, in milliseconds:
+        /// after a pass that delivered, the pause starts at a sixteenth of this and doubles
+        /// with each idle pass up to it.
         #[arg(long, env = "ORDERED_EVENTS_RELAY_POLL_MS", default_value_t = 100)]
         poll_ms: u64,
         /// Cap of the reconnect backoff (and of a deferred flow's retry), in milliseconds.
