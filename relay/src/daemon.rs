@@ -108,7 +108,9 @@ pub async fn run(
                 Ok(s) => session = Some(s),
                 Err(e) if e.is_retried_by_run() => {
                     link_down(&mut link, &e, settings.max_backoff);
-                    fail_over(&links, &mut current);
+                    if e.is_link_failure() {
+                        fail_over(&links, &mut current);
+                    }
                     pause(reconnect.next_wait(), stop).await;
                 }
                 Err(e) => return Err(e),
@@ -154,7 +156,10 @@ pub async fn run(
             }
             Err(e) if e.is_retried_by_run() => {
                 link_down(&mut link, &e, settings.max_backoff);
-                fail_over(&links, &mut current);
+                // Another consumer helps only when this one is the problem, not the outbox.
+                if e.is_link_failure() {
+                    fail_over(&links, &mut current);
+                }
                 session = None;
                 pause(reconnect.next_wait(), stop).await;
             }
