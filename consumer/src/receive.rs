@@ -183,6 +183,8 @@ const UNBLOCK_PAGE: usize = 1000;
 async fn unblock_loop(store: &ConsumerStore, opts: ApplyOptions) {
     let mut every = tokio::time::interval(UNBLOCK_EVERY);
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The last listing failure, so an outage is logged once per cause, not every tick.
+    let mut failing: Option<String> = None;
     loop {
         every.tick().await;
         let mut after = String::new();
@@ -191,9 +193,22 @@ async fn unblock_loop(store: &ConsumerStore, opts: ApplyOptions) {
                 .flows_blocked(crate::rules::BlockReason::UnsupportedSchema, after.clone(), UNBLOCK_PAGE)
                 .await
             {
-                Ok(flows) => flows,
+                Ok(flows) => {
+                    if failing.take().is_some() {
+                        tracing::info!(
+                            "auto-apply: flows blocked on an unsupported schema can be listed again"
+                        );
+                    }
+                    flows
+                }
                 Err(e) => {
-                    tracing::warn!(error = %e, "auto-apply: cannot list flows blocked on an unsupported schema");
+                    let cause = e.to_string();
+                    if failing.as_deref() == Some(cause.as_str()) {
+                        tracing::debug!(error = %cause, "auto-apply: still cannot list blocked flows");
+                    } else {
+                        tracing::warn!(error = %cause, "auto-apply: cannot list flows blocked on an unsupported schema; retried every 2 s");
+                        failing = Some(cause);
+                    }
                     break;
                 }
             };
