@@ -10,7 +10,7 @@ pub const ENV: &str = "ORDERED_EVENTS_CRASH_AT";
 /// The exit code of a fired crash point.
 pub const EXIT_CODE: i32 = 73;
 
-/// The ten crash points of the reference, in SPEC order.
+/// The crash points: the ten of the reference in SPEC order, then the four of compaction.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum CrashPoint {
     /// `producer.after_flow_update`: the flow row is written, its outbox row is not.
@@ -34,11 +34,21 @@ pub enum CrashPoint {
     ConsumerApplyAfterEffect,
     /// `consumer.apply.after_commit`: the step is committed, not answered.
     ConsumerApplyAfterCommit,
+    /// `producer.compact.after_batch`: a compaction batch of outbox rows is rewritten to
+    /// tombstones, not committed.
+    ProducerCompactAfterBatch,
+    /// `producer.compact.after_commit`: a compaction batch is committed.
+    ProducerCompactAfterCommit,
+    /// `consumer.compact.after_batch`: a compaction batch of inbox rows is rewritten to
+    /// tombstones, not committed.
+    ConsumerCompactAfterBatch,
+    /// `consumer.compact.after_commit`: a compaction batch is committed.
+    ConsumerCompactAfterCommit,
 }
 
 impl CrashPoint {
     /// Every point, in SPEC order.
-    pub const ALL: [CrashPoint; 10] = [
+    pub const ALL: [CrashPoint; 14] = [
         CrashPoint::ProducerAfterFlowUpdate,
         CrashPoint::ProducerAfterOutboxInsert,
         CrashPoint::ProducerAfterCommit,
@@ -49,6 +59,10 @@ impl CrashPoint {
         CrashPoint::ConsumerApplyAfterProjection,
         CrashPoint::ConsumerApplyAfterEffect,
         CrashPoint::ConsumerApplyAfterCommit,
+        CrashPoint::ProducerCompactAfterBatch,
+        CrashPoint::ProducerCompactAfterCommit,
+        CrashPoint::ConsumerCompactAfterBatch,
+        CrashPoint::ConsumerCompactAfterCommit,
     ];
 
     /// The name used in the environment variable and the stderr marker.
@@ -64,6 +78,10 @@ impl CrashPoint {
             CrashPoint::ConsumerApplyAfterProjection => "consumer.apply.after_projection",
             CrashPoint::ConsumerApplyAfterEffect => "consumer.apply.after_effect",
             CrashPoint::ConsumerApplyAfterCommit => "consumer.apply.after_commit",
+            CrashPoint::ProducerCompactAfterBatch => "producer.compact.after_batch",
+            CrashPoint::ProducerCompactAfterCommit => "producer.compact.after_commit",
+            CrashPoint::ConsumerCompactAfterBatch => "consumer.compact.after_batch",
+            CrashPoint::ConsumerCompactAfterCommit => "consumer.compact.after_commit",
         }
     }
 
@@ -79,7 +97,7 @@ impl fmt::Display for CrashPoint {
     }
 }
 
-/// A name that is not one of the ten points.
+/// A name that is not one of the known points.
 #[derive(Debug, thiserror::Error)]
 #[error("{ENV}={0:?} is not a crash point; known points: {known}", known = CrashPoint::ALL.map(CrashPoint::name).join(", "))]
 pub struct UnknownCrashPoint(pub String);
@@ -151,8 +169,9 @@ mod tests {
             assert_eq!(p.name().parse::<CrashPoint>().unwrap(), p);
         }
         let mut names: Vec<_> = CrashPoint::ALL.map(CrashPoint::name).to_vec();
+        names.sort_unstable();
         names.dedup();
-        assert_eq!(names.len(), 10);
+        assert_eq!(names.len(), 14);
         assert!("producer.nowhere".parse::<CrashPoint>().is_err());
     }
 }

@@ -151,6 +151,10 @@ pub struct Effective {
     pub journal_mode: String,
     /// `PRAGMA synchronous` as a name: OFF, NORMAL, FULL or EXTRA.
     pub synchronous: String,
+    /// `PRAGMA auto_vacuum` as a name: NONE (a file created before retention: pages that
+    /// compaction frees are reused, the file does not shrink), FULL or INCREMENTAL (a file
+    /// created since: compaction returns freed pages to the file system).
+    pub auto_vacuum: String,
 }
 
 /// Opens `path` as a database of `kind` with the shared settings, creating the schema on a
@@ -183,6 +187,12 @@ pub fn open(path: &Path, kind: &DbKind, mode: OpenMode) -> Result<Connection, Db
     // process must not change a file it is about to refuse. Reading a file that is not a
     // database at all fails here with SQLite's own "file is not a database".
     let found = refuse_foreign(&conn, path, kind, mode)?;
+    if mode == OpenMode::Create && matches!(found, Found::Empty) {
+        // Only possible while the file has no page yet (before WAL is set and the first
+        // table exists): a new file can give back the pages compaction frees
+        // (`PRAGMA incremental_vacuum`) instead of only reusing them.
+        conn.pragma_update(None, "auto_vacuum", "INCREMENTAL").map_err(sqlite)?;
+    }
     conn.pragma_update(None, "journal_mode", "WAL").map_err(sqlite)?;
     conn.pragma_update(None, "synchronous", "FULL").map_err(sqlite)?;
     conn.pragma_update(None, "foreign_keys", "ON").map_err(sqlite)?;
@@ -287,6 +297,7 @@ pub fn open_logged(path: &Path, kind: &DbKind, mode: OpenMode) -> Result<Connect
         db = %path.display(),
         journal_mode = %eff.journal_mode,
         synchronous = %eff.synchronous,
+        auto_vacuum = %eff.auto_vacuum,
         "{} database open",
         kind.name
     );
@@ -550,7 +561,14 @@ pub fn effective(conn: &Connection) -> rusqlite::Result<Effective> {
         _ => "UNKNOWN",
     }
     .to_owned();
-    Ok(Effective { journal_mode, synchronous })
+    let auto_vacuum = match conn.query_row("PRAGMA auto_vacuum", [], |r| r.get::<_, i64>(0))? {
+        0 => "NONE",
+        1 => "FULL",
+        2 => "INCREMENTAL",
+        _ => "UNKNOWN",
+    }
+    .to_owned();
+    Ok(Effective { journal_mode, synchronous, auto_vacuum })
 }
 
 /// True when the error means another connection holds the lock (retry later).
@@ -593,6 +611,7 @@ mod tests {
         let eff = effective(&conn).unwrap();
         assert_eq!(eff.journal_mode, "wal");
         assert_eq!(eff.synchronous, "FULL");
+        assert_eq!(eff.auto_vacuum, "INCREMENTAL", "a new file gives back what compaction frees");
         drop(conn);
         // Reopening an existing file of the right kind works in both modes.
         open(&path, &KIND, OpenMode::Existing).unwrap();

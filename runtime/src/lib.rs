@@ -1,9 +1,9 @@
 //! The process runtime the producer, consumer and relay share: start-up and exit
 //! (`process`), logging, serving with health and reflection, and shutdown (`serve`),
 //! authentication (`auth`), the group-commit writer thread (`group`), blocking work beside
-//! the async runtime (`blocking`) allocation settings (`alloc`) and
-//! Prometheus metrics (`metrics`). Nothing here crosses the
-//! wire; that is `proto`.
+//! the async runtime (`blocking`), allocation settings (`alloc`), Prometheus metrics
+//! (`metrics`) and how long finished rows keep their bodies (`retention`). Nothing here
+//! crosses the wire; that is `proto`.
 
 pub mod alloc;
 pub mod auth;
@@ -12,6 +12,7 @@ pub mod blocking;
 pub mod group;
 pub mod metrics;
 pub mod process;
+pub mod retention;
 pub mod serve;
 pub mod server_limits;
 

@@ -1,0 +1,178 @@
+//! Retention: how long a finished row (an accepted outbox row, an applied inbox row) keeps
+//! its body before compaction reduces it to a tombstone (event id, flow id, seq and the
+//! SHA-256 digest of the canonical body), and the loop that compacts in bounded batches.
+//!
+//! Both services take `--retention DURATION` (`ORDERED_EVENTS_RETENTION`): `7d`, `12h`,
+//! `30m`, `45s`, `0` (compact as soon as a row is finished) or `off` (keep every body).
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+/// The SHA-256 digest of a canonical body: what a tombstone keeps to tell a redelivered
+/// event (same digest: `DUPLICATE`/`EXISTING`) from a changed one (`ID_CONFLICT`/`CONFLICT`).
+pub fn body_digest(body: &[u8]) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(body).into()
+}
+
+/// How long a finished row keeps its body.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Retention {
+    /// Never compact: every body is kept, as before retention existed.
+    Off,
+    /// Compact a row once it has been finished for at least this long (zero: at once).
+    After(Duration),
+}
+
+/// The default: a week, long enough to inspect any recent event with `GetFlow`, short
+/// enough that a busy database stops growing by its bodies.
+pub const DEFAULT_RETENTION: Retention = Retention::After(Duration::from_secs(7 * 24 * 3600));
+
+/// The longest retention accepted: 100 years (beyond it, say `off`).
+const MAX_SECS: u64 = 100 * 365 * 24 * 3600;
+
+/// The most rows one compaction transaction rewrites, so a pass never holds the write lock
+/// for long: the pipeline's writers wait at most one batch.
+pub const COMPACT_BATCH: usize = 500;
+
+impl Retention {
+    /// The age a finished row must exceed, in microseconds, or `None` when off.
+    pub fn age_us(self) -> Option<i64> {
+        match self {
+            Retention::Off => None,
+            Retention::After(d) => Some(i64::try_from(d.as_micros()).unwrap_or(i64::MAX)),
+        }
+    }
+
+    /// Rows finished before this time (microseconds since the epoch) may be compacted now.
+    pub fn cutoff_us(self, now_us: i64) -> Option<i64> {
+        self.age_us().map(|age| now_us.saturating_sub(age))
+    }
+
+    /// How often the background loop looks for rows to compact: a tenth of the retention,
+    /// between one second and one hour (so `0` compacts within about a second).
+    pub fn pass_interval(self) -> Option<Duration> {
+        match self {
+            Retention::Off => None,
+            Retention::After(d) => Some((d / 10).clamp(Duration::from_secs(1), Duration::from_secs(3600))),
+        }
+    }
+}
+
+/// A retention that could not be read: says what was given and what is accepted.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "retention {given:?} is not a duration: give a whole number with a unit d, h, m or s \
+     (e.g. 7d, 12h), 0 to compact rows as soon as they are finished, or off to keep every body \
+     (at most 100 years)"
+)]
+pub struct BadRetention {
+    given: String,
+}
+
+impl FromStr for Retention {
+    type Err = BadRetention;
+    fn from_str(s: &str) -> Result<Retention, BadRetention> {
+        let bad = || BadRetention { given: s.to_owned() };
+        let t = s.trim();
+        if t.eq_ignore_ascii_case("off") {
+            return Ok(Retention::Off);
+        }
+        if t == "0" {
+            return Ok(Retention::After(Duration::ZERO));
+        }
+        let split = t.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
+        let (number, unit) = t.split_at(split);
+        let n: u64 = number.parse().map_err(|_| bad())?;
+        let unit_secs = match unit {
+            "d" => 24 * 3600,
+            "h" => 3600,
+            "m" => 60,
+            "s" => 1,
+            _ => return Err(bad()),
+        };
+        let secs = n.checked_mul(unit_secs).filter(|&s| s <= MAX_SECS).ok_or_else(bad)?;
+        Ok(Retention::After(Duration::from_secs(secs)))
+    }
+}
+
+impl fmt::Display for Retention {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Retention::Off => f.write_str("off"),
+            Retention::After(d) => {
+                let s = d.as_secs();
+                match s {
+                    0 => f.write_str("0"),
+                    s if s % 86_400 == 0 => write!(f, "{}d", s / 86_400),
+                    s if s % 3600 == 0 => write!(f, "{}h", s / 3600),
+                    s if s % 60 == 0 => write!(f, "{}m", s / 60),
+                    s => write!(f, "{s}s"),
+                }
+            }
+        }
+    }
+}
+
+/// The flag both services take.
+#[derive(Clone, Debug, clap::Args)]
+pub struct RetentionFlags {
+    /// How long a finished row (an accepted outbox row on the producer, an applied inbox row
+    /// on the consumer) keeps its body before it is compacted to a tombstone: event id, flow
+    /// id, seq and the SHA-256 digest of its canonical body, which keep every duplicate and
+    /// conflict answer exact for ever. A whole number with d, h, m or s (7d, 12h, 30m), 0 to
+    /// compact as soon as a row is finished, or off to keep every body. Effects, projections
+    /// and flow states are never compacted.
+    #[arg(long, env = "ORDERED_EVENTS_RETENTION", value_name = "DURATION", default_value_t = DEFAULT_RETENTION)]
+    pub retention: Retention,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_units_zero_and_off() {
+        assert_eq!("7d".parse::<Retention>().unwrap(), Retention::After(Duration::from_secs(604_800)));
+        assert_eq!("12h".parse::<Retention>().unwrap(), Retention::After(Duration::from_secs(43_200)));
+        assert_eq!("30m".parse::<Retention>().unwrap(), Retention::After(Duration::from_secs(1_800)));
+        assert_eq!("45s".parse::<Retention>().unwrap(), Retention::After(Duration::from_secs(45)));
+        assert_eq!("0".parse::<Retention>().unwrap(), Retention::After(Duration::ZERO));
+        assert_eq!("off".parse::<Retention>().unwrap(), Retention::Off);
+        assert_eq!("OFF".parse::<Retention>().unwrap(), Retention::Off);
+    }
+
+    #[test]
+    fn refuses_what_is_not_a_duration_and_names_it() {
+        for bad in ["", "7", "d", "-1d", "1.5h", "7w", "7 d", "99999999999999999d", "101y", "36501d"] {
+            let err = bad.parse::<Retention>().unwrap_err().to_string();
+            assert!(err.contains(&format!("{bad:?}")), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn displays_what_it_parses() {
+        for s in ["7d", "12h", "30m", "45s", "0", "off", "90s"] {
+            assert_eq!(s.parse::<Retention>().unwrap().to_string(), s);
+        }
+        assert_eq!(DEFAULT_RETENTION.to_string(), "7d");
+    }
+
+    #[test]
+    fn digest_is_sha256() {
+        let d = body_digest(b"abc");
+        assert_eq!(d[..4], [0xba, 0x78, 0x16, 0xbf]);
+        assert_ne!(body_digest(b"abd"), d);
+    }
+
+    #[test]
+    fn cutoff_and_interval() {
+        let r = Retention::After(Duration::from_secs(10));
+        assert_eq!(r.cutoff_us(100_000_000), Some(90_000_000));
+        assert_eq!(r.pass_interval(), Some(Duration::from_secs(1)));
+        assert_eq!(Retention::Off.cutoff_us(5), None);
+        assert_eq!(DEFAULT_RETENTION.pass_interval(), Some(Duration::from_secs(3600)));
+        assert_eq!(Retention::After(Duration::ZERO).cutoff_us(7), Some(7));
+    }
+}
