@@ -12,6 +12,7 @@ pub mod flow;
 pub mod limits;
 pub mod partition;
 pub mod pg;
+pub mod pg_tls;
 pub mod target;
 
 /// Generated protobuf and gRPC code for `ordered_events.v1`.

@@ -123,6 +123,8 @@ pub struct Effective {
     pub full_page_writes: String,
     /// `server_version`.
     pub server_version: String,
+    /// Whether the session is encrypted, from `pg_stat_ssl`: `off`, or the TLS version.
+    pub tls: String,
 }
 
 /// An opened PostgreSQL store: a pool whose sessions all run with `synchronous_commit=on`
@@ -268,6 +270,8 @@ pub async fn open(url: &PgUrl, kind: &PgKind, mode: OpenMode, pool_size: usize) 
         fsync = %effective.fsync,
         full_page_writes = %effective.full_page_writes,
         server_version = %effective.server_version,
+        tls = %effective.tls,
+        sslmode = url.tls().name(),
         "{} database open",
         kind.name
     );
@@ -298,8 +302,15 @@ fn pool(url: &PgUrl, kind: &PgKind, size: usize) -> Result<Pool, PgError> {
     if config.get_connect_timeout().is_none() {
         config.connect_timeout(CONNECT_TIMEOUT);
     }
-    let manager =
-        Manager::from_config(config, NoTls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+    let manager_config = || ManagerConfig { recycling_method: RecyclingMethod::Fast };
+    let tls = crate::pg_tls::client_config(url.tls())
+        .map_err(|reason| PgError::Connect { target: url.to_string(), reason })?;
+    let manager = match tls {
+        None => Manager::from_config(config, NoTls, manager_config()),
+        Some(tls) => {
+            Manager::from_config(config, tokio_postgres_rustls::MakeRustlsConnect::new(tls), manager_config())
+        }
+    };
     Pool::builder(manager)
         .max_size(size.max(1))
         .wait_timeout(Some(CONNECT_TIMEOUT))
@@ -314,7 +325,9 @@ pub async fn effective(client: &tokio_postgres::Client) -> Result<Effective, tok
     let row = client
         .query_one(
             "SELECT current_setting('synchronous_commit'), current_setting('fsync'),
-                    current_setting('full_page_writes'), current_setting('server_version')",
+                    current_setting('full_page_writes'), current_setting('server_version'),
+                    coalesce((SELECT CASE WHEN ssl THEN version ELSE 'off' END
+                              FROM pg_stat_ssl WHERE pid = pg_backend_pid()), 'unknown')",
             &[],
         )
         .await?;
@@ -323,6 +336,7 @@ pub async fn effective(client: &tokio_postgres::Client) -> Result<Effective, tok
         fsync: row.get(1),
         full_page_writes: row.get(2),
         server_version: row.get(3),
+        tls: row.get(4),
     })
 }
 
@@ -373,7 +387,17 @@ pub fn describe(e: &tokio_postgres::Error) -> String {
             }
             text
         }
-        None => e.to_string(),
+        None => {
+            // The client's own text names only the step ("error performing TLS handshake");
+            // the causes say why (e.g. "invalid peer certificate: NotValidForName").
+            let mut text = e.to_string();
+            let mut source = std::error::Error::source(e);
+            while let Some(cause) = source {
+                text.push_str(&format!(": {cause}"));
+                source = cause.source();
+            }
+            text
+        }
     }
 }
 

@@ -18,14 +18,22 @@ pub enum DbTarget {
 /// A PostgreSQL connection URL, checked to parse, with its password kept out of `Display`.
 #[derive(Clone, PartialEq, Eq)]
 pub struct PgUrl {
+    /// What the client library is given (the TLS parameters it does not know taken out).
     url: String,
     shown: String,
+    tls: crate::pg_tls::PgTls,
 }
 
 impl PgUrl {
-    /// The URL exactly as given (password included): pass it to the client, never to a log.
+    /// The URL as the client library takes it (password included; the TLS parameters it does
+    /// not parse taken out): pass it to the client, never to a log.
     pub fn as_secret_str(&self) -> &str {
         &self.url
+    }
+
+    /// The TLS the URL asks for (`sslmode`, `sslrootcert`).
+    pub fn tls(&self) -> &crate::pg_tls::PgTls {
+        &self.tls
     }
 
     /// The client configuration this URL describes.
@@ -75,12 +83,13 @@ impl FromStr for DbTarget {
         }
         if is_postgres_url(value) {
             let shown = redact(value);
-            let config = tokio_postgres::Config::from_str(value)
+            let (url, tls) = crate::pg_tls::split_url(value).map_err(|e| format!("{shown}: {e}"))?;
+            let config = tokio_postgres::Config::from_str(&url)
                 .map_err(|e| format!("{shown}: not a PostgreSQL URL: {e}"))?;
             if config.get_dbname().is_none() {
                 return Err(format!("{shown}: names no database (add /DBNAME to the URL)"));
             }
-            return Ok(DbTarget::Postgres(PgUrl { url: value.to_owned(), shown }));
+            return Ok(DbTarget::Postgres(PgUrl { url, shown, tls }));
         }
         Ok(DbTarget::Sqlite(PathBuf::from(value)))
     }

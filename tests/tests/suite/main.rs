@@ -14,6 +14,7 @@ mod limits;
 mod malformed;
 mod metrics;
 mod model;
+mod pg_tls;
 mod producer;
 mod relay;
 mod relay_instances;
