@@ -13,6 +13,7 @@ mod measure_pg;
 mod pipeline;
 mod report;
 mod scrape;
+mod storage;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -124,6 +125,17 @@ struct Args {
     /// processes' CPU is summed per kind.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=16))]
     instances: u32,
+    /// `--retention` of the producer and the consumer in every run (e.g. 0, 7d, off; unset:
+    /// their default).
+    #[arg(long, value_name = "DURATION")]
+    retention: Option<String>,
+    /// The retention soak (issue 16): after the main run, one run with `--retention off` and
+    /// one with `--retention 0`, each reading the databases' sizes when a tenth, half and all
+    /// of the events are applied, after the processes stop, and after one `--compact-once`
+    /// pass; the report gives bytes per finished event and throughput side by side. Use with
+    /// e.g. `--flows 333334` (a million events).
+    #[arg(long, conflicts_with_all = ["callgrind", "half_rate", "compare_batch_1", "compare_metrics"])]
+    soak: bool,
 }
 
 impl Args {
@@ -152,6 +164,8 @@ struct RunSpec {
     flows: usize,
     load: Load,
     caps: Caps,
+    /// Read the databases' sizes during and after the run (`--soak`).
+    sizes: bool,
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -183,6 +197,7 @@ async fn bench(args: Args) -> anyhow::Result<ExitCode> {
         window: args.window,
         poll_ms: args.poll_ms,
         metrics: false,
+        retention: args.retention.clone(),
     };
     let main_load = match args.rate {
         Some(rate) => Load::Open { calls_per_s: rate },
@@ -190,7 +205,8 @@ async fn bench(args: Args) -> anyhow::Result<ExitCode> {
     };
     let started = report::machine(&base);
     let mut runs: Vec<Value> = Vec::new();
-    let main = RunSpec { label: "grouped", flows: args.flows(), load: main_load, caps: caps.clone() };
+    let main =
+        RunSpec { label: "grouped", flows: args.flows(), load: main_load, caps: caps.clone(), sizes: false };
     let main_result = run_one(&args, &base, &main).await?;
     let main_e2e = main_result["end_to_end"]["events_per_s"].as_f64().unwrap_or(0.0);
     runs.push(main_result);
@@ -200,6 +216,7 @@ async fn bench(args: Args) -> anyhow::Result<ExitCode> {
             flows: args.flows(),
             load: Load::Open { calls_per_s: (main_e2e / 2.0).max(1.0) },
             caps: caps.clone(),
+            sizes: false,
         };
         runs.push(run_one(&args, &base, &half).await?);
     }
@@ -209,6 +226,7 @@ async fn bench(args: Args) -> anyhow::Result<ExitCode> {
             flows: args.batch_1_flows.unwrap_or(args.flows()),
             load: main_load,
             caps: caps.batch_1(),
+            sizes: false,
         };
         runs.push(run_one(&args, &base, &one).await?);
     }
@@ -217,11 +235,25 @@ async fn bench(args: Args) -> anyhow::Result<ExitCode> {
         // run without metrics and one with, alternating, so a drift of the machine over the
         // sitting (a warming disk, another tenant) falls on both sides.
         for _ in 0..args.metrics_rounds {
-            let spec =
-                RunSpec { label: "metrics-off", flows: args.flows(), load: main_load, caps: caps.clone() };
+            let spec = RunSpec {
+                label: "metrics-off",
+                flows: args.flows(),
+                load: main_load,
+                caps: caps.clone(),
+                sizes: false,
+            };
             runs.push(run_one(&args, &base, &spec).await?);
             let on = Caps { metrics: true, ..caps.clone() };
-            let spec = RunSpec { label: "metrics-on", flows: args.flows(), load: main_load, caps: on };
+            let spec =
+                RunSpec { label: "metrics-on", flows: args.flows(), load: main_load, caps: on, sizes: false };
+            runs.push(run_one(&args, &base, &spec).await?);
+        }
+    }
+    if args.soak {
+        // After the main run (a warm-up), the two retentions side by side in this sitting.
+        for (label, retention) in [("retention-off", "off"), ("retention-0", "0")] {
+            let caps = Caps { retention: Some(retention.to_owned()), ..caps.clone() };
+            let spec = RunSpec { label, flows: args.flows(), load: main_load, caps, sizes: true };
             runs.push(run_one(&args, &base, &spec).await?);
         }
     }
@@ -267,6 +299,8 @@ fn args_json(args: &Args) -> Value {
         "callgrind": args.callgrind,
         "bin_dir": args.bin_dir,
         "backend": args.backend,
+        "retention": args.retention,
+        "soak": args.soak,
     })
 }
 
@@ -321,6 +355,14 @@ async fn run_one(args: &Args, base: &std::path::Path, spec: &RunSpec) -> anyhow:
         true => Some(scrape::Scraper::start(pipeline.metrics_addrs(args.launcher().start_deadline())?)),
         false => None,
     };
+    let events = spec.flows as u64 * 3;
+    let stop_sampling = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = spec.sizes.then(|| {
+        let (dbs, stop) = (databases.clone(), stop_sampling.clone());
+        tokio::task::spawn_blocking(move || {
+            storage::sample_marks(dbs, vec![events / 10, events / 2, events], stop)
+        })
+    });
     let bench_cpu_before = pipeline::proc_stats("self").cpu_seconds;
     let load = load::drive(&pipeline.producer_urls(), "f", spec.flows, spec.load, args.connections).await?;
     anyhow::ensure!(
@@ -330,7 +372,6 @@ async fn run_one(args: &Args, base: &std::path::Path, spec: &RunSpec) -> anyhow:
         load.unexpected.len(),
         &load.unexpected[..load.unexpected.len().min(3)]
     );
-    let events = spec.flows as u64 * 3;
     let deadline = Duration::from_secs(args.timeout_s);
     {
         let dbs = databases.clone();
@@ -354,7 +395,33 @@ async fn run_one(args: &Args, base: &std::path::Path, spec: &RunSpec) -> anyhow:
         Some(scraper) => Some(scraper.stop().await),
         None => None,
     };
+    stop_sampling.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut readings = match sampler {
+        Some(sampler) => sampler.await??,
+        None => Vec::new(),
+    };
     let stopped = tokio::task::spawn_blocking(move || pipeline.stop()).await?;
+    let storage = if spec.sizes {
+        let (dbs, launcher, retention) = (databases.clone(), args.launcher(), spec.caps.retention.clone());
+        let (after, compacted) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+            let stopped = storage::read(&dbs, "stopped")?;
+            let mut compacted = Vec::new();
+            if let Some(r) = retention.as_deref().filter(|r| *r != "off") {
+                compacted.push(launcher.compact_once("producer", &dbs.producer_arg(), r)?);
+                compacted.push(launcher.compact_once("consumer", &dbs.consumer_arg(), r)?);
+            }
+            let once =
+                (!compacted.is_empty()).then(|| storage::read(&dbs, "after compact-once")).transpose()?;
+            Ok((std::iter::once(stopped).chain(once).collect::<Vec<_>>(), compacted))
+        })
+        .await??;
+        readings.extend(after);
+        let mut section = storage::report(&readings, events);
+        section["compact_once"] = json!(compacted);
+        Some(section)
+    } else {
+        None
+    };
     let flows = spec.flows as u64;
     let (tables, files) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
         match &databases {
@@ -398,6 +465,10 @@ async fn run_one(args: &Args, base: &std::path::Path, spec: &RunSpec) -> anyhow:
         run["metrics_scrapes"] = scrapes;
     }
     run["config"]["instances"] = json!(args.instances);
+    run["config"]["retention"] = json!(spec.caps.retention);
+    if let Some(storage) = storage {
+        run["storage"] = storage;
+    }
     if let Some(cpu) = server_cpu_seconds {
         run["processes"]["postgres_server"] = json!({
             "cpu_seconds": (cpu * 1000.0).round() / 1000.0,

@@ -31,6 +31,8 @@ pub struct Caps {
     pub poll_ms: u64,
     /// `--metrics-listen 127.0.0.1:0` on all three (and the run scrapes them every second).
     pub metrics: bool,
+    /// `--retention` of the producer and the consumer (unset: their default).
+    pub retention: Option<String>,
 }
 
 impl Caps {
@@ -81,6 +83,21 @@ impl Launcher {
     /// environment variable, not a flag, so that builds without the setting still start.
     fn relay_env(&self) -> &'static [(&'static str, &'static str)] {
         if self.callgrind { &[("ORDERED_EVENTS_RELAY_ANSWER_TIMEOUT_MS", "3600000")] } else { &[] }
+    }
+
+    /// Runs `name --db DB --retention R --compact-once` to its end (never under callgrind)
+    /// and returns its stdout line (the pass's JSON summary).
+    pub fn compact_once(&self, name: &str, db: &str, retention: &str) -> anyhow::Result<String> {
+        let out = Command::new(self.binary(name)?)
+            .args(["--db", db, "--retention", retention, "--compact-once"])
+            .output()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "{name} --compact-once failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("")
+        );
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
     }
 
     fn binary(&self, name: &str) -> anyhow::Result<PathBuf> {
@@ -272,6 +289,10 @@ impl Pipeline {
         let producer_db = databases.producer_arg();
         let consumer_db = databases.consumer_arg();
         let metrics: &[&str] = if caps.metrics { &["--metrics-listen", "127.0.0.1:0"] } else { &[] };
+        let retention: Vec<&str> = match &caps.retention {
+            Some(r) => vec!["--retention", r],
+            None => vec![],
+        };
         let start_server = |name: &str, args: &[String]| -> anyhow::Result<ServerProcess> {
             ServerProcess::try_start_command(
                 launcher.command(dir, name)?,
@@ -296,6 +317,7 @@ impl Pipeline {
                 ]
                 .iter()
                 .chain(metrics)
+                .chain(&retention)
                 .copied()
                 .collect::<Vec<_>>(),
             ),
@@ -316,6 +338,7 @@ impl Pipeline {
                 ]
                 .iter()
                 .chain(metrics)
+                .chain(&retention)
                 .copied()
                 .collect::<Vec<_>>(),
             ),

@@ -393,6 +393,51 @@ pub fn table(doc: &Value) -> String {
             cost["on_per_s"],
         );
     }
+    storage_table(&mut out, doc);
     let _ = writeln!(out, "targets: {}", doc["targets"]);
     out
+}
+
+/// The `--soak` readings: each database's size at each mark, and bytes per finished event,
+/// for every run that read them, then the compacted run against the uncompacted one.
+fn storage_table(out: &mut String, doc: &Value) {
+    let mib = |v: &Value| v.as_f64().unwrap_or(0.0) / (1024.0 * 1024.0);
+    let mut per_event: Vec<(String, f64, f64)> = Vec::new();
+    for r in doc["runs"].as_array().into_iter().flatten() {
+        let storage = &r["storage"];
+        if storage.is_null() {
+            continue;
+        }
+        let label = r["label"].as_str().unwrap_or("").to_owned();
+        for reading in storage["readings"].as_array().into_iter().flatten() {
+            let _ = writeln!(
+                out,
+                "{label}: {:<24} applied {:>8}  producer {:>8.1} MiB  consumer {:>8.1} MiB  (WAL {:.1} MiB)",
+                reading["at"].as_str().unwrap_or(""),
+                reading["applied"],
+                mib(&reading["producer_bytes"]),
+                mib(&reading["consumer_bytes"]),
+                mib(&reading["wal_bytes"]),
+            );
+        }
+        let growth = storage["bytes_per_event_between_marks"].as_f64().unwrap_or(0.0);
+        let end = storage["bytes_per_event_at_end"].as_f64().unwrap_or(0.0);
+        let _ = writeln!(
+            out,
+            "{label}: {growth:.0} bytes per finished event between the first and last mark, {end:.0} at the end; end to end {:.0} events/s",
+            r["end_to_end"]["events_per_s"].as_f64().unwrap_or(0.0)
+        );
+        per_event.push((label, growth, r["end_to_end"]["events_per_s"].as_f64().unwrap_or(0.0)));
+    }
+    let find = |l: &str| per_event.iter().find(|(label, _, _)| label == l);
+    if let (Some(off), Some(zero)) = (find("retention-off"), find("retention-0")) {
+        if off.1 > 0.0 && off.2 > 0.0 {
+            let _ = writeln!(
+                out,
+                "retention 0 against off: storage growth per finished event {:.0} % (target ≤ 25 %), throughput {:+.1} % (target within 10 %)",
+                100.0 * zero.1 / off.1,
+                100.0 * (zero.2 / off.2 - 1.0)
+            );
+        }
+    }
 }
