@@ -40,6 +40,14 @@ struct Args {
     #[arg(long, env = "ORDERED_EVENTS_MAX_UNACCEPTED", value_name = "N", default_value_t = 1_000_000)]
     max_unaccepted: u64,
     #[command(flatten)]
+    retention: runtime::retention::RetentionFlags,
+    /// Open the database, run one compaction pass at --retention now, print one JSON line
+    /// ({"compacted":N,"body_bytes":B,...}) on stdout and exit, without serving. Safe while a
+    /// producer and relays run on the same database (batches of at most 500 rows, each its own
+    /// transaction; only accepted rows are compacted).
+    #[arg(long, env = "ORDERED_EVENTS_COMPACT_ONCE")]
+    compact_once: bool,
+    #[command(flatten)]
     server: runtime::ServerFlags,
     #[command(flatten)]
     metrics: runtime::metrics::MetricsFlags,
@@ -52,6 +60,7 @@ fn main() -> ExitCode {
 
 async fn run(args: Args) -> anyhow::Result<()> {
     let max_unaccepted = (args.max_unaccepted > 0).then_some(args.max_unaccepted);
+    let retention = args.retention.retention;
     let service = producer::ProducerService::open(&producer::Config {
         db: args.db,
         crash: proto::crash::CrashSwitch::from_env()?,
@@ -59,6 +68,16 @@ async fn run(args: Args) -> anyhow::Result<()> {
         max_unaccepted,
     })
     .await?;
+    if args.compact_once {
+        let started = std::time::Instant::now();
+        let report = producer::compaction::pass(service.store(), retention).await?.unwrap_or_default();
+        producer::compaction::log_pass(&report, started.elapsed());
+        let mut line = serde_json::to_value(&report)?;
+        line["retention"] = serde_json::Value::String(retention.to_string());
+        println!("{line}");
+        return Ok(());
+    }
+    let _compaction = producer::compaction::spawn(service.store().clone(), retention);
     let exposition = producer::metrics::exposition(service.store(), max_unaccepted);
     let settings = args.server.serve.load()?;
     runtime::metrics::serve_if_asked(&args.metrics, exposition).await?;
