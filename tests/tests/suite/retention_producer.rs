@@ -179,7 +179,8 @@ fn a_bad_retention_is_refused_before_anything_is_created() {
     let Some(work) = Workdir::for_test() else { return };
     let db = work.producer_db();
     for bad in ["7w", "1.5h", "-1d", "forever"] {
-        let done = run_to_exit("producer", &["--db", &db.arg(), "--retention", bad], &[], DEADLINE);
+        let flag = format!("--retention={bad}");
+        let done = run_to_exit("producer", &["--db", &db.arg(), &flag], &[], DEADLINE);
         assert_eq!(done.code, Some(2), "{bad}: {done:?}");
         assert!(done.stderr.contains("--retention"), "{bad}: {}", done.stderr);
         assert!(done.stderr.contains(bad), "{bad}: {}", done.stderr);
@@ -283,6 +284,8 @@ async fn a_relay_refuses_to_resend_history_the_producer_compacted() {
     // Every accepted row is compacted, then the consumer comes back from the older copy.
     assert_eq!(compact_line(&compact_once(&producer.db, "0", &[]))["compacted"], 6);
     let restored = Consumer::start_on(backup, work.path("consumer-3.log"), true, &[]);
+    // A new row, so `once` has something to send (it checks the consumer only then).
+    commit(&producer, "new", 1).await;
     let before = db::outbox(&producer.db);
     for mode in [&["once"][..], &["run", "--poll-ms", "100"][..]] {
         let stopped = relay(&producer.db, &restored.process.url(), mode, &[]);
