@@ -287,20 +287,26 @@ async fn a_relay_refuses_to_resend_history_the_producer_compacted() {
     // A new row, so `once` has something to send (it checks the consumer only then).
     commit(&producer, "new", 1).await;
     let before = db::outbox(&producer.db);
-    for mode in [&["once"][..], &["run", "--poll-ms", "100"][..]] {
-        let stopped = relay(&producer.db, &restored.process.url(), mode, &[]);
-        assert_eq!(stopped.code, Some(1), "{mode:?}: {stopped:?}");
-        let err = &stopped.stderr;
-        assert!(err.contains("CONSUMER HISTORY LOST BEYOND RETENTION"), "{mode:?}: {err}");
-        assert!(err.contains("3 accepted rows are missing"), "{mode:?}: {err}");
-        assert!(err.contains("3 of them compacted"), "{mode:?}: {err}");
-        assert!(err.contains("lost1"), "{mode:?}: {err}");
-        assert!(err.contains("Restore a newer copy of the consumer database"), "{mode:?}: {err}");
-        assert_eq!(stopped.deliveries().count(), 0, "{mode:?}: nothing may be sent");
-        // Nothing was unmarked.
-        assert_eq!(db::outbox(&producer.db), before, "{mode:?}");
-    }
+    let stopped = relay(&producer.db, &restored.process.url(), &["once"], &[]);
+    assert_eq!(stopped.code, Some(1), "{stopped:?}");
+    let err = &stopped.stderr;
+    assert!(err.contains("CONSUMER HISTORY LOST BEYOND RETENTION"), "{err}");
+    assert!(err.contains("3 accepted rows are missing"), "{err}");
+    assert!(err.contains("3 of them compacted"), "{err}");
+    assert!(err.contains("lost1"), "{err}");
+    assert!(err.contains("Restore a newer copy of the consumer database"), "{err}");
+    assert_eq!(stopped.deliveries().count(), 0, "nothing may be sent");
+    assert_eq!(db::outbox(&producer.db), before, "nothing may be unmarked");
     assert!(db::inbox(&restored.db).iter().all(|r| r.flow_id == "kept"));
+    // `run` stops too (exit 1), it does not spin. (Under PostgreSQL leases its first check
+    // runs before it holds partitions, so it may deliver new1 first; the check that follows
+    // finds the compacted rows either way.)
+    let stopped = relay(&producer.db, &restored.process.url(), &["run", "--poll-ms", "100"], &[]);
+    assert_eq!(stopped.code, Some(1), "{stopped:?}");
+    assert!(stopped.stderr.contains("CONSUMER HISTORY LOST BEYOND RETENTION"), "{}", stopped.stderr);
+    for row in db::outbox(&producer.db).iter().filter(|r| r.flow_id != "new") {
+        assert!(row.accepted && row.compacted, "a compacted row was unmarked: {row:?}");
+    }
 }
 
 /// Copies a stopped consumer's database: its file (SQLite, WAL checkpointed on clean exit),
