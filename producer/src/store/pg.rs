@@ -27,8 +27,8 @@ use tokio_postgres::types::ToSql;
 type Params<'a, const N: usize> = [&'a (dyn ToSql + Sync); N];
 
 use super::{
-    ADVANCE_BATCHES, AdvanceReply, Backlog, CompactReport, Decision, FlowRecord, LOST_BY_CONSUMER, LeaseRow, LeaseView,
-    LostRows, MARK_BATCHES, NO_ANSWER, OutboxRecord, Recorded, Role, StoreError, decide,
+    ADVANCE_BATCHES, AdvanceReply, Backlog, CompactReport, Decision, FlowRecord, LOST_BY_CONSUMER, LeaseRow,
+    LeaseView, LostRows, MARK_BATCHES, NO_ANSWER, OutboxRecord, Recorded, Role, StoreError, decide,
 };
 use crate::request::AdvanceCommand;
 
@@ -781,7 +781,12 @@ impl PgStore {
 /// are left to a later pass; the order does not matter) and drops their bodies in place,
 /// keeping the digest the database computes from the same UTF-8 bytes. Reaches
 /// `producer.compact.after_batch` before the commit. Returns the rows and body bytes.
-async fn compact_batch(client: &Conn, cutoff_us: i64, limit: i64, crash: CrashSwitch) -> Result<(u64, u64), StoreError> {
+async fn compact_batch(
+    client: &Conn,
+    cutoff_us: i64,
+    limit: i64,
+    crash: CrashSwitch,
+) -> Result<(u64, u64), StoreError> {
     let stmt = client
         .prepare_cached(
             "WITH c AS (

@@ -16,8 +16,8 @@ use rusqlite::{Connection, OptionalExtension, Transaction, params};
 use tokio::sync::{mpsc, oneshot};
 
 use super::{
-    AcceptedBy, AdvanceReply, Backlog, CompactReport, Decision, DeliveryAnswer, FlowRecord, LOST_BY_CONSUMER, LostRows,
-    MARK_BATCHES, NO_ANSWER, OutboxRecord, Recorded, Role, StoreError, decide,
+    AcceptedBy, AdvanceReply, Backlog, CompactReport, Decision, DeliveryAnswer, FlowRecord, LOST_BY_CONSUMER,
+    LostRows, MARK_BATCHES, NO_ANSWER, OutboxRecord, Recorded, Role, StoreError, decide,
 };
 use crate::request::AdvanceCommand;
 
@@ -339,7 +339,8 @@ impl SqliteStore {
 
 impl SqliteStore {
     pub(super) async fn compact(&self, cutoff_us: i64, batch: usize) -> Result<CompactReport, StoreError> {
-        let mut report = CompactReport { file_bytes_before: file_bytes(&self.path), ..CompactReport::default() };
+        let mut report =
+            CompactReport { file_bytes_before: file_bytes(&self.path), ..CompactReport::default() };
         let mut after_id = 0;
         loop {
             let done = self
@@ -364,7 +365,11 @@ impl SqliteStore {
         if incremental {
             let mut freed = 0;
             loop {
-                let step = self.blocking("give pages back", |conn: &mut Connection, _: CrashSwitch| give_back_pages(conn)).await?;
+                let step = self
+                    .blocking("give pages back", |conn: &mut Connection, _: CrashSwitch| {
+                        give_back_pages(conn)
+                    })
+                    .await?;
                 freed += step;
                 if step == 0 {
                     break;
@@ -425,7 +430,8 @@ fn compact_batch(
     let Some(&(last_id, _)) = rows.last() else { return Ok(None) };
     let mut body_bytes = 0;
     {
-        let mut digest = tx.prepare_cached("UPDATE outbox SET body_sha256 = ?2 WHERE id = ?1 AND accepted = 1")?;
+        let mut digest =
+            tx.prepare_cached("UPDATE outbox SET body_sha256 = ?2 WHERE id = ?1 AND accepted = 1")?;
         let mut drop_body = tx.prepare_cached("DELETE FROM outbox_body WHERE id = ?1")?;
         for (id, body) in &rows {
             let sha = runtime::retention::body_digest(body.as_bytes());
@@ -545,7 +551,14 @@ pub fn advance(
             "INSERT INTO outbox(event_id, flow_id, seq, kind, schema, committed_at_us)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
         )?
-        .execute(params![event.event_id, event.flow_id, event.seq, event.kind, event.schema, now_us])?;
+        .execute(params![
+            event.event_id,
+            event.flow_id,
+            event.seq,
+            event.kind,
+            event.schema,
+            now_us
+        ])?;
         held.get("INSERT INTO outbox_body(id, body) VALUES (last_insert_rowid(), ?1)")?
             .execute([&event.body])?;
         unaccepted.delta += 1;
@@ -605,7 +618,6 @@ fn outbox_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<OutboxRecord> {
         committed_at_us: r.get(9)?,
     })
 }
-
 
 /// The outbox row of `event_id`, accepted or not.
 pub fn outbox_row(conn: &Connection, event_id: &str) -> Result<Option<OutboxRecord>, StoreError> {

@@ -688,6 +688,8 @@ async fn the_upgrade_to_version_3_keeps_every_body_and_compacts_afterwards() {
     assert_eq!(rows[0].body_sha256, Some(runtime::retention::body_digest(body.as_bytes())));
     assert_eq!(
         place.text("SELECT reloptions::text FROM pg_class WHERE relname = 'outbox'").await.as_deref(),
-        Some("{autovacuum_vacuum_scale_factor=0.02,autovacuum_vacuum_threshold=1000,autovacuum_vacuum_insert_scale_factor=0.02}")
+        Some(
+            "{autovacuum_vacuum_scale_factor=0.02,autovacuum_vacuum_threshold=1000,autovacuum_vacuum_insert_scale_factor=0.02}"
+        )
     );
 }

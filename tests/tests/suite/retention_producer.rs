@@ -83,8 +83,7 @@ async fn advance_answers_stay_exact_against_compacted_rows() {
     let bodies: Vec<(String, String)> =
         db::outbox(&producer.db).into_iter().map(|r| (r.event_id, r.body)).collect();
     let body_of = |id: &str| bodies.iter().find(|(e, _)| e == id).expect("row").1.clone();
-    let accepted_bytes: usize =
-        bodies.iter().filter(|(id, _)| id != "C1").map(|(_, body)| body.len()).sum();
+    let accepted_bytes: usize = bodies.iter().filter(|(id, _)| id != "C1").map(|(_, body)| body.len()).sum();
 
     let line = compact_line(&compact_once(&producer.db, "0", &[]));
     assert_eq!(line["compacted"], 4, "{line}");
@@ -164,12 +163,21 @@ async fn the_background_pass_compacts_accepted_rows_at_retention_0() {
     assert!(!unaccepted.compacted && !unaccepted.accepted, "{unaccepted:?}");
     wait_for(
         DEADLINE,
-        || producer.process.log_text().contains("compaction pass: outbox rows reduced to tombstones").then_some(()),
+        || {
+            producer
+                .process
+                .log_text()
+                .contains("compaction pass: outbox rows reduced to tombstones")
+                .then_some(())
+        },
         || producer.process.log_text(),
     );
     let log = producer.process.log_text();
     assert!(log.contains("outbox compaction") && log.contains("retention=0"), "{log}");
-    assert_eq!(outcome(&producer.advance(advance("A", "A2", 1, "confirmed", 1)).await), AdvanceOutcome::Existing);
+    assert_eq!(
+        outcome(&producer.advance(advance("A", "A2", 1, "confirmed", 1)).await),
+        AdvanceOutcome::Existing
+    );
 }
 
 /// A retention that is not a duration: exit 2, a message naming the flag and the value,
@@ -208,7 +216,11 @@ fn a_bad_retention_is_refused_before_anything_is_created() {
         }
     }
     let help = run_to_exit("producer", &["--help"], &[], DEADLINE);
-    assert!(help.stdout.contains("--retention <DURATION>") && help.stdout.contains("--compact-once"), "{}", help.stdout);
+    assert!(
+        help.stdout.contains("--retention <DURATION>") && help.stdout.contains("--compact-once"),
+        "{}",
+        help.stdout
+    );
 }
 
 /// A crash inside a compaction batch (rewritten, not committed) or just after its commit:
@@ -245,7 +257,8 @@ async fn a_crash_during_compaction_leaves_every_row_whole_or_a_tombstone() {
         let retry = producer.advance(advance("A", "A2", 1, "confirmed", 1)).await;
         assert_eq!(outcome(&retry), AdvanceOutcome::Existing, "{point}");
         assert_eq!(retry.event.expect("event").body, bodies[1].1, "{point}");
-        let changed = producer.advance(pb::AdvanceRequest { amount: 5, ..advance("B", "B1", 0, "reserved", 1) }).await;
+        let changed =
+            producer.advance(pb::AdvanceRequest { amount: 5, ..advance("B", "B1", 0, "reserved", 1) }).await;
         assert_eq!(outcome(&changed), AdvanceOutcome::Conflict, "{point}");
         // The next pass finishes what the crash left.
         let line = compact_line(&compact_once(&producer.db, "0", &[]));
@@ -324,7 +337,8 @@ fn copy_database(from: &Target, to: &Target) {
             }
         }
         (Target::Postgres(from), Target::Postgres(to)) => {
-            let name = |url: &str| url.split('?').next().unwrap_or(url).rsplit('/').next().unwrap_or("").to_owned();
+            let name =
+                |url: &str| url.split('?').next().unwrap_or(url).rsplit('/').next().unwrap_or("").to_owned();
             let admin = Target::Postgres(proto::pg::testing::with_database(from, "postgres"));
             db::execute(&admin, &format!("DROP DATABASE {} WITH (FORCE)", name(to)));
             db::execute(&admin, &format!("CREATE DATABASE {} TEMPLATE {}", name(to), name(from)));
