@@ -762,13 +762,29 @@ impl PgStore {
                              accepted_position = NULL, last_outcome = $3
                          WHERE accepted = 1 AND accepted_by IS NOT NULL
                            AND (accepted_by <> $1 OR accepted_position > $2)
-                           AND ($4::smallint[] IS NULL OR partition = ANY($4))",
+                           AND ($4::smallint[] IS NULL OR partition = ANY($4))
+                         RETURNING event_id, body IS NULL",
                     )
                     .await?;
-                let unmarked = client
-                    .execute(&unmark, &[&consumer_db, &highest, &LOST_BY_CONSUMER, &partitions])
-                    .await?;
-                commit_with_backlog(client, i64::try_from(unmarked).unwrap_or(i64::MAX)).await?;
+                let unmarked =
+                    client.query(&unmark, &[&consumer_db, &highest, &LOST_BY_CONSUMER, &partitions]).await?;
+                // The reads above ran before the rows were locked: a compaction that
+                // committed in between shows here, on each row's newest version. Then
+                // nothing is unmarked, as when the reads saw it.
+                let mut compacted_now = Vec::new();
+                for row in &unmarked {
+                    if row.try_get::<_, bool>(1)? {
+                        compacted_now.push(row.try_get::<_, String>(0)?);
+                    }
+                }
+                if !compacted_now.is_empty() {
+                    client.batch_execute("ROLLBACK").await?;
+                    let compacted = compacted_now.len() as u64;
+                    compacted_now.sort();
+                    compacted_now.truncate(5);
+                    return Ok(LostRows { compacted, compacted_sample: compacted_now, ..lost });
+                }
+                commit_with_backlog(client, i64::try_from(unmarked.len()).unwrap_or(i64::MAX)).await?;
                 Ok(lost)
             }
         })
