@@ -30,7 +30,7 @@ pub fn log_pass(report: &CompactReport, took: Duration) {
         file_bytes_before = ?report.file_bytes_before,
         file_bytes_after = ?report.file_bytes_after,
         ms = took.as_millis() as u64,
-        "compaction pass: outbox rows reduced to tombstones"
+        "compaction pass: outbox rows compacted to tombstones, space given back"
     );
 }
 

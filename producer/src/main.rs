@@ -8,6 +8,12 @@ use clap::Parser;
 /// Commits each flow step and its outbox event in one transaction (SQLite or PostgreSQL), and serves
 /// `ordered_events.v1.Producer` (Advance, GetFlow) with gRPC health and reflection.
 ///
+/// Retention: an outbox row the consumer accepted more than --retention ago keeps only its
+/// tombstone (event id, flow id, seq, kind, schema and the SHA-256 digest of its body); flow
+/// states and rows not yet accepted are never compacted, and Advance answers (EXISTING,
+/// CONFLICT) stay exact against tombstones. A background pass runs every tenth of the
+/// retention (1 s to 1 h) in transactions of at most 500 rows; --compact-once runs one now.
+///
 /// The first stdout line is the bound address; logs go to stderr (filter with RUST_LOG).
 #[derive(Debug, Parser)]
 #[command(name = "producer", version)]
@@ -44,8 +50,14 @@ struct Args {
     /// Open the database, run one compaction pass at --retention now, print one JSON line
     /// ({"compacted":N,"body_bytes":B,...}) on stdout and exit, without serving. Safe while a
     /// producer and relays run on the same database (batches of at most 500 rows, each its own
-    /// transaction; only accepted rows are compacted).
-    #[arg(long, env = "ORDERED_EVENTS_COMPACT_ONCE")]
+    /// transaction; only accepted rows are compacted). The environment twin takes
+    /// true/false, 1/0, yes/no, on/off.
+    #[arg(
+        long,
+        env = "ORDERED_EVENTS_COMPACT_ONCE",
+        action = clap::ArgAction::SetTrue,
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
     compact_once: bool,
     #[command(flatten)]
     server: runtime::ServerFlags,
