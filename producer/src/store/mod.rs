@@ -395,10 +395,11 @@ pub struct CompactReport {
     /// SQLite: pages given back to the file system by `incremental_vacuum`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pages_freed: Option<u64>,
-    /// SQLite: the file's size before the pass, in bytes.
+    /// SQLite: the database's size before the pass, in bytes (its pages: the file's size once
+    /// the WAL is checkpointed).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub file_bytes_before: Option<u64>,
-    /// SQLite: the file's size after the pass, in bytes.
+    /// SQLite: the database's size after the pass, in bytes (as above).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub file_bytes_after: Option<u64>,
 }

@@ -339,8 +339,11 @@ impl SqliteStore {
 
 impl SqliteStore {
     pub(super) async fn compact(&self, cutoff_us: i64, batch: usize) -> Result<CompactReport, StoreError> {
-        let mut report =
-            CompactReport { file_bytes_before: file_bytes(&self.path), ..CompactReport::default() };
+        let size = |conn: &mut Connection, _: CrashSwitch| -> Result<Option<u64>, StoreError> {
+            Ok(Some(database_bytes(conn)?))
+        };
+        let before = self.blocking("read the database size", size).await?;
+        let mut report = CompactReport { file_bytes_before: before, ..CompactReport::default() };
         let mut after_id = 0;
         loop {
             let done = self
@@ -385,7 +388,7 @@ impl SqliteStore {
                 .await?;
             }
         }
-        report.file_bytes_after = file_bytes(&self.path);
+        report.file_bytes_after = self.blocking("read the database size", size).await?;
         Ok(report)
     }
 }
@@ -394,8 +397,12 @@ impl SqliteStore {
 /// writer waits at most one step.
 const VACUUM_STEP_PAGES: u32 = 2000;
 
-fn file_bytes(path: &Path) -> Option<u64> {
-    std::fs::metadata(path).ok().map(|m| m.len())
+/// The database's size: its pages, as the file holds them once the WAL is checkpointed (the
+/// file itself may lag behind until the next checkpoint).
+fn database_bytes(conn: &Connection) -> rusqlite::Result<u64> {
+    let pages: u64 = conn.query_row("PRAGMA page_count", [], |r| r.get(0))?;
+    let page_size: u64 = conn.query_row("PRAGMA page_size", [], |r| r.get(0))?;
+    Ok(pages * page_size)
 }
 
 /// One committed compaction batch.

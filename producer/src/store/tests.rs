@@ -693,3 +693,23 @@ async fn the_upgrade_to_version_3_keeps_every_body_and_compacts_afterwards() {
         )
     );
 }
+
+/// SQLite: a pass gives the pages the deleted bodies freed back to the file system (a new
+/// file has `auto_vacuum = INCREMENTAL`), and the file shrinks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sqlite_pass_gives_the_freed_pages_back() {
+    let place = Place::Sqlite(tempfile::tempdir().unwrap());
+    let store = place.open(None).await;
+    let ids: Vec<String> = (0..3000).map(|i| format!("a-long-enough-flow-identifier-{i:05}")).collect();
+    let steps = ids.iter().map(|f| store.advance(cmd_on(f, &format!("{f}-1"), 0, "reserved", 1, 3)));
+    for r in futures::future::join_all(steps).await {
+        assert_eq!(r.unwrap().outcome, AdvanceOutcome::Committed);
+    }
+    let answers =
+        ids.iter().map(|f| accepted(&format!("{f}-1"), DeliveryAnswer::Accepted, 0)).collect::<Vec<_>>();
+    store.record_deliveries(answers, None).await.unwrap();
+    let report = store.compact(runtime::now_us(), runtime::retention::COMPACT_BATCH).await.unwrap();
+    assert_eq!((report.compacted, report.batches), (3000, 6), "{report:?}");
+    assert!(report.pages_freed.unwrap() > 20, "{report:?}");
+    assert!(report.file_bytes_after.unwrap() < report.file_bytes_before.unwrap(), "{report:?}");
+}
