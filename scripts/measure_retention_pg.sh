@@ -1,7 +1,7 @@
 #!/bin/bash
 # PG: rounds of 5000 accepted rows inserted, compact-once at retention $1 (0/off), VACUUM when $2=vacuum.
 set -e
-BIN=/work/wt/ret-producer/target/release/producer
+BIN=${PRODUCER_BIN:-target/release/producer}
 DB=oe_meas_retention_$$
 psql -h 127.0.0.1 -U postgres -qAtc "CREATE DATABASE $DB"
 URL=postgres://postgres@127.0.0.1:5432/$DB

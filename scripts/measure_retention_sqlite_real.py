@@ -1,9 +1,9 @@
 # Real schema, real compaction: rows inserted as the producer writes them (SQLite schema 5),
 # marked accepted, then `producer --compact-once --retention 0` (or off) after each 1000.
 import sqlite3, os, subprocess, json, sys
-BIN = "/work/wt/ret-producer/target/release/producer"
+BIN = os.environ.get("PRODUCER_BIN", "target/release/producer")
 mode = sys.argv[1]  # "0" or "off"
-path = "/tmp/meas2/p-%s.db" % mode
+path = "/tmp/oe_retention_real_%s.db" % mode
 for s in ["", "-wal", "-shm"]:
     if os.path.exists(path + s): os.remove(path + s)
 subprocess.run([BIN, "--db", path, "--retention", "off", "--compact-once"], check=True, capture_output=True)
