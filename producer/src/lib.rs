@@ -2,6 +2,7 @@
 //! (`store`: SQLite or PostgreSQL, group-committing concurrent calls), served over gRPC as
 //! `ordered_events.v1.Producer` (`service`).
 
+pub mod compaction;
 pub mod metrics;
 pub mod request;
 pub mod service;

@@ -8,6 +8,12 @@ use clap::Parser;
 /// Commits each flow step and its outbox event in one transaction (SQLite or PostgreSQL), and serves
 /// `ordered_events.v1.Producer` (Advance, GetFlow) with gRPC health and reflection.
 ///
+/// Retention: an outbox row the consumer accepted more than --retention ago keeps only its
+/// tombstone (event id, flow id, seq, kind, schema and the SHA-256 digest of its body); flow
+/// states and rows not yet accepted are never compacted, and Advance answers (EXISTING,
+/// CONFLICT) stay exact against tombstones. A background pass runs every tenth of the
+/// retention (1 s to 1 h) in transactions of at most 500 rows; --compact-once runs one now.
+///
 /// The first stdout line is the bound address; logs go to stderr (filter with RUST_LOG).
 #[derive(Debug, Parser)]
 #[command(name = "producer", version)]
@@ -40,6 +46,20 @@ struct Args {
     #[arg(long, env = "ORDERED_EVENTS_MAX_UNACCEPTED", value_name = "N", default_value_t = 1_000_000)]
     max_unaccepted: u64,
     #[command(flatten)]
+    retention: runtime::retention::RetentionFlags,
+    /// Open the database, run one compaction pass at --retention now, print one JSON line
+    /// ({"compacted":N,"body_bytes":B,...}) on stdout and exit, without serving. Safe while a
+    /// producer and relays run on the same database (batches of at most 500 rows, each its own
+    /// transaction; only accepted rows are compacted). The environment twin takes
+    /// true/false, 1/0, yes/no, on/off.
+    #[arg(
+        long,
+        env = "ORDERED_EVENTS_COMPACT_ONCE",
+        action = clap::ArgAction::SetTrue,
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    compact_once: bool,
+    #[command(flatten)]
     server: runtime::ServerFlags,
     #[command(flatten)]
     metrics: runtime::metrics::MetricsFlags,
@@ -52,6 +72,7 @@ fn main() -> ExitCode {
 
 async fn run(args: Args) -> anyhow::Result<()> {
     let max_unaccepted = (args.max_unaccepted > 0).then_some(args.max_unaccepted);
+    let retention = args.retention.retention;
     let service = producer::ProducerService::open(&producer::Config {
         db: args.db,
         crash: proto::crash::CrashSwitch::from_env()?,
@@ -59,6 +80,16 @@ async fn run(args: Args) -> anyhow::Result<()> {
         max_unaccepted,
     })
     .await?;
+    if args.compact_once {
+        let started = std::time::Instant::now();
+        let report = producer::compaction::pass(service.store(), retention).await?.unwrap_or_default();
+        producer::compaction::log_pass(&report, started.elapsed());
+        let mut line = serde_json::to_value(&report)?;
+        line["retention"] = serde_json::Value::String(retention.to_string());
+        println!("{line}");
+        return Ok(());
+    }
+    let _compaction = producer::compaction::spawn(service.store().clone(), retention);
     let exposition = producer::metrics::exposition(service.store(), max_unaccepted);
     let settings = args.server.serve.load()?;
     runtime::metrics::serve_if_asked(&args.metrics, exposition).await?;

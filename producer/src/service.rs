@@ -79,6 +79,16 @@ fn event_pb(row: &OutboxRecord) -> pb::StoredEvent {
         kind: row.kind.clone(),
         schema: row.schema,
         body: row.body.clone(),
+        compacted: row.compacted,
+        body_sha256: tombstone_digest(row),
+    }
+}
+
+/// The digest a compacted row shows, in lower-case hex (empty for a row with its body).
+fn tombstone_digest(row: &OutboxRecord) -> String {
+    match (row.compacted, row.body_sha256) {
+        (true, Some(d)) => d.iter().map(|b| format!("{b:02x}")).collect(),
+        _ => String::new(),
     }
 }
 
@@ -108,6 +118,9 @@ impl TryFrom<&AdvanceOutcome> for pb::AdvanceOutcome {
 fn detail(reply: &AdvanceReply, expected_seq: u64) -> String {
     match &reply.outcome {
         AdvanceOutcome::Committed | AdvanceOutcome::Existing => String::new(),
+        AdvanceOutcome::Conflict if reply.event.as_ref().is_some_and(|e| e.compacted) => {
+            "event_id is already committed with a different body (compacted: its digest differs)".into()
+        }
         AdvanceOutcome::Conflict => "event_id is already committed with a different body".into(),
         AdvanceOutcome::Stale => {
             format!("expected_seq {expected_seq} but the flow is at seq {}", reply.flow.seq)
@@ -175,6 +188,8 @@ impl pb::producer_server::Producer for ProducerService {
             outbox: rows
                 .into_iter()
                 .map(|r| pb::OutboxRow {
+                    compacted: r.compacted,
+                    body_sha256: tombstone_digest(&r),
                     event_id: r.event_id,
                     seq: r.seq,
                     kind: r.kind,

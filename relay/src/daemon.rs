@@ -141,6 +141,10 @@ pub async fn run(
                     // A consumer restarted on a restored database gives an idle relay no row
                     // to fail on: ask it who it is now and then.
                     if let Err(e) = active.recheck_identity(&links[current], ledger).await {
+                        if matches!(e, RelayError::HistoryCompacted { .. }) {
+                            // Nothing to retry: the lost rows are gone from the outbox too.
+                            return Err(e);
+                        }
                         link_down(&mut link, &e, settings.max_backoff);
                         fail_over(&links, &mut current);
                         session = None;

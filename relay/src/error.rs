@@ -42,6 +42,28 @@ pub enum RelayError {
     /// `send` named an event the outbox does not have.
     #[error("no outbox row has event_id {0:?}")]
     UnknownEvent(String),
+    /// The consumer lost history (its database was replaced or restored from an older copy)
+    /// and some of the rows it lacks were compacted by the producer's retention: their bodies
+    /// are gone, so they cannot be sent again, and sending only the rest would leave gaps in
+    /// their flows. Nothing was marked; the relay stops (exit code 1, `run` included).
+    #[error(
+        "consumer history lost beyond the producer's retention: {lost} accepted rows are missing from \
+         consumer database {consumer_db}, {compacted} of them compacted to tombstones (first: {first:?}), so \
+         they cannot be sent again and nothing was re-sent or unmarked. Restore a newer copy of the consumer \
+         database (one that holds these rows) and run the relay again, or accept the loss explicitly \
+         (an operator's decision: no flag skips them) and point the relay at a consumer that holds them; \
+         the relay never skips them by itself"
+    )]
+    HistoryCompacted {
+        /// The consumer database that answered.
+        consumer_db: String,
+        /// Rows it lacks of what the outbox recorded as accepted.
+        lost: u64,
+        /// Of those, rows compacted to tombstones.
+        compacted: u64,
+        /// The first compacted rows' event ids.
+        first: Vec<String>,
+    },
     /// SIGTERM/SIGINT ended `once`, `send` or `drain` before it finished.
     #[error("stopped by a signal before {0} finished; unanswered rows stay unaccepted")]
     Interrupted(&'static str),

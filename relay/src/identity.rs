@@ -5,6 +5,8 @@
 //! no longer holds are marked unaccepted again, said in one loud line, and sent again (the
 //! consumer answers `DUPLICATE` where it still holds one). No accepted event is lost silently.
 //! `run` repeats the check while idle, since a dead stream only shows on the next send.
+//! Rows compaction already reduced to tombstones cannot be sent again: when any lost row is
+//! one, nothing is unmarked and the relay stops with [`RelayError::HistoryCompacted`].
 
 use proto::pb;
 use proto::pb::consumer_client::ConsumerClient;
@@ -49,6 +51,24 @@ pub async fn check_consumer_history(
     };
     let lost =
         ledger.resend_lost(identity.database_id.clone(), identity.highest_inbox_position, judged).await?;
+    if lost.compacted > 0 {
+        // Nothing was unmarked (see `ProducerStore::resend_lost`): say so loudly and stop.
+        let e = RelayError::HistoryCompacted {
+            consumer_db: identity.database_id.clone(),
+            lost: lost.other_database + lost.beyond_history,
+            compacted: lost.compacted,
+            first: lost.compacted_sample.clone(),
+        };
+        tracing::error!(
+            consumer_database_id = %identity.database_id,
+            highest_inbox_position = identity.highest_inbox_position,
+            rows = lost.other_database + lost.beyond_history,
+            compacted = lost.compacted,
+            first = ?lost.compacted_sample,
+            "CONSUMER HISTORY LOST BEYOND RETENTION: {e}"
+        );
+        return Err(e);
+    }
     if lost.other_database > 0 {
         tracing::error!(
             consumer_database_id = %identity.database_id,

@@ -44,9 +44,12 @@ fn step(flow: &str, seq: u64) -> AdvanceRecord {
     }
 }
 
+// Schema 5 keeps bodies in `outbox_body` (keyed by the row's id): a view gives the readers
+// that shape while the fixture inserts bodies inline.
 const SQLITE_PRODUCER: &str = "PRAGMA journal_mode=WAL;
-    CREATE TABLE outbox(event_id TEXT PRIMARY KEY, flow_id TEXT, seq INTEGER, kind TEXT,
-        schema INTEGER, body TEXT, accepted INTEGER, attempts INTEGER, last_outcome TEXT);";
+    CREATE TABLE outbox(id INTEGER PRIMARY KEY, event_id TEXT UNIQUE, flow_id TEXT, seq INTEGER,
+        kind TEXT, schema INTEGER, body TEXT, accepted INTEGER, attempts INTEGER, last_outcome TEXT);
+    CREATE VIEW outbox_body AS SELECT id, body FROM outbox;";
 const SQLITE_CONSUMER: &str = "PRAGMA journal_mode=WAL;
     CREATE TABLE inbox(event_id TEXT, flow_id TEXT, seq INTEGER, kind TEXT, schema INTEGER,
         body TEXT, state TEXT, reason TEXT, received_at_us INTEGER);

@@ -444,8 +444,10 @@ pub struct OutboxRow {
     pub seq: u64,
     /// Its step kind.
     pub kind: String,
-    /// The canonical body, byte for byte as committed.
+    /// The canonical body, byte for byte as committed (empty once compacted).
     pub body: String,
+    /// Retention compacted it: the body is gone, its digest kept.
+    pub compacted: bool,
     /// Whether the consumer accepted it (the relay's mark).
     pub accepted: bool,
     /// How many times the relay sent it.
@@ -515,17 +517,29 @@ pub fn read_flows(s: &Session) -> Result<Vec<FlowRow>, String> {
 
 /// All outbox rows, by (flow_id, seq).
 pub fn read_outbox(s: &Session) -> Result<Vec<OutboxRow>, String> {
-    let sql = "SELECT event_id, flow_id, seq, kind, body, accepted, attempts, last_outcome
-               FROM outbox ORDER BY flow_id, seq";
+    // SQLite keeps each body in `outbox_body` (schema 5); PostgreSQL in place. A compacted
+    // row has none.
+    let sql = match s {
+        Session::Sqlite(_) => {
+            "SELECT o.event_id, o.flow_id, o.seq, o.kind, b.body, o.accepted, o.attempts, o.last_outcome
+             FROM outbox o LEFT JOIN outbox_body b ON b.id = o.id ORDER BY o.flow_id, o.seq"
+        }
+        Session::Postgres(_) => {
+            "SELECT event_id, flow_id, seq, kind, body, accepted, attempts, last_outcome
+             FROM outbox ORDER BY flow_id, seq"
+        }
+    };
     s.rows(Store::Producer, "outbox", sql)?
         .iter()
         .map(|r| {
+            let body = r.opt_text(4)?;
             Ok(OutboxRow {
                 event_id: r.text(0)?,
                 flow_id: r.text(1)?,
                 seq: r.uint(2)?,
                 kind: r.text(3)?,
-                body: r.text(4)?,
+                compacted: body.is_none(),
+                body: body.unwrap_or_default(),
                 accepted: r.int(5)? != 0,
                 attempts: r.uint(6)?,
                 last_outcome: r.opt_text(7)?,
@@ -637,12 +651,12 @@ pub fn count_effects(s: &Session) -> Result<u64, String> {
 /// The bodies of the newest unaccepted outbox rows whose predecessor in their flow is
 /// unaccepted too (newest first, at most `limit`): sent now, they are likely to overtake it.
 pub fn unaccepted_successor_bodies(s: &Session, limit: u32) -> Result<Vec<String>, String> {
-    let newest = match s {
-        Session::Sqlite(_) => "o.rowid DESC",
-        Session::Postgres(_) => "o.committed_at_us DESC, o.event_id DESC",
+    let (newest, body, join) = match s {
+        Session::Sqlite(_) => ("o.rowid DESC", "b.body", "JOIN outbox_body b ON b.id = o.id"),
+        Session::Postgres(_) => ("o.committed_at_us DESC, o.event_id DESC", "o.body", ""),
     };
     let sql = format!(
-        "SELECT o.body FROM outbox o WHERE o.accepted = 0 AND o.seq > 1 AND EXISTS(
+        "SELECT {body} FROM outbox o {join} WHERE o.accepted = 0 AND o.seq > 1 AND EXISTS(
              SELECT 1 FROM outbox p WHERE p.flow_id = o.flow_id AND p.seq = o.seq - 1 AND p.accepted = 0)
          ORDER BY {newest} LIMIT {limit}"
     );

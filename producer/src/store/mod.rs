@@ -56,8 +56,14 @@ pub struct OutboxRecord {
     pub kind: String,
     /// Its payload schema.
     pub schema: u32,
-    /// The canonical body, exactly as committed and sent.
+    /// The canonical body, exactly as committed and sent; empty once compacted (see
+    /// `compacted`), except in an `EXISTING` answer, which rebuilds it from the request.
     pub body: String,
+    /// Compaction dropped the body (retention): only the tombstone is kept, with its digest.
+    pub compacted: bool,
+    /// The SHA-256 digest of the canonical body, where the store keeps one (always for a
+    /// compacted row; otherwise as the backend stored it, possibly `None`).
+    pub body_sha256: Option<[u8; 32]>,
     /// The consumer durably holds it (answered `ACCEPTED` or `DUPLICATE`).
     pub accepted: bool,
     /// Answers the relay recorded for it.
@@ -143,12 +149,21 @@ pub fn decide(
 ) -> Decision {
     let answer = |outcome, event| Decision::Answer(AdvanceReply { outcome, flow: flow.clone(), event });
     if let Some(stored) = stored {
-        let outcome = if stored.body == cmd.event().canonical_body() {
-            AdvanceOutcome::Existing
+        let body = cmd.event().canonical_body();
+        if !stored.compacted {
+            let outcome =
+                if stored.body == body { AdvanceOutcome::Existing } else { AdvanceOutcome::Conflict };
+            return answer(outcome, Some(stored.clone()));
+        }
+        // A tombstone: the digests decide. The same digest means the body rebuilt from this
+        // request IS the stored body byte for byte, so EXISTING answers it unchanged; a
+        // CONFLICT shows the tombstone (no body, its digest).
+        let same = stored.body_sha256 == Some(runtime::retention::body_digest(body.as_bytes()));
+        return if same {
+            answer(AdvanceOutcome::Existing, Some(OutboxRecord { body, compacted: false, ..stored.clone() }))
         } else {
-            AdvanceOutcome::Conflict
+            answer(AdvanceOutcome::Conflict, Some(stored.clone()))
         };
-        return answer(outcome, Some(stored.clone()));
     }
     if flow.seq != cmd.expected_seq {
         return answer(AdvanceOutcome::Stale, None);
@@ -171,6 +186,8 @@ pub fn decide(
         kind: event.kind,
         schema: event.schema,
         body,
+        compacted: false,
+        body_sha256: None,
         accepted: false,
         attempts: 0,
         last_outcome: None,
@@ -182,6 +199,19 @@ pub fn decide(
         amount: if flow.state == FlowState::New { cmd.amount } else { flow.amount },
     };
     Decision::Write { flow, event: stored }
+}
+
+/// Refuses a compacted row among rows to send: compaction only takes accepted rows, so an
+/// unaccepted tombstone means the database was edited (or a bug), and sending its empty body
+/// would be a lie.
+fn refuse_compacted(rows: Vec<OutboxRecord>) -> Result<Vec<OutboxRecord>, StoreError> {
+    if let Some(row) = rows.iter().find(|r| r.compacted) {
+        return Err(StoreError::Corrupt(format!(
+            "outbox row {} (flow {} seq {}) is unaccepted but compacted: its body is gone and it cannot be sent",
+            row.event_id, row.flow_id, row.seq
+        )));
+    }
+    Ok(rows)
 }
 
 /// The consumer's answer to one delivered envelope, as the outbox records it. Built from the
@@ -346,6 +376,32 @@ pub struct LostRows {
     pub highest_recorded: u64,
     /// A few of the lost rows' event ids, for the log.
     pub sample: Vec<String>,
+    /// Of the lost rows, those compaction already reduced to tombstones: they cannot be sent
+    /// again. When above 0 nothing was unmarked (sending only the rest would leave gaps).
+    pub compacted: u64,
+    /// A few of the compacted lost rows' event ids, for the log.
+    pub compacted_sample: Vec<String>,
+}
+
+/// What one compaction pass did (the `--compact-once` line and the pass's log line).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct CompactReport {
+    /// Outbox rows reduced to tombstones.
+    pub compacted: u64,
+    /// Bytes of canonical bodies dropped.
+    pub body_bytes: u64,
+    /// Transactions (batches of at most [`runtime::retention::COMPACT_BATCH`] rows).
+    pub batches: u64,
+    /// SQLite: pages given back to the file system by `incremental_vacuum`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pages_freed: Option<u64>,
+    /// SQLite: the database's size before the pass, in bytes (its pages: the file's size once
+    /// the WAL is checkpointed).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub file_bytes_before: Option<u64>,
+    /// SQLite: the database's size after the pass, in bytes (as above).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub file_bytes_after: Option<u64>,
 }
 
 /// The outbox backlog as the metrics report it.
@@ -627,9 +683,24 @@ impl ProducerStore {
         }
     }
 
+    /// One compaction pass: every outbox row accepted before `cutoff_us` (µs since the
+    /// epoch) that still has its body is reduced to a tombstone (its digest kept, the body
+    /// dropped), in transactions of at most `batch` rows; unaccepted rows are never touched.
+    /// Crash points `producer.compact.after_batch` (a batch rewritten, not committed) and
+    /// `producer.compact.after_commit`. On SQLite the freed pages are then given back
+    /// (`incremental_vacuum`, in bounded steps) when the file allows it.
+    pub async fn compact(&self, cutoff_us: i64, batch: usize) -> Result<CompactReport, StoreError> {
+        match self {
+            ProducerStore::Sqlite(s) => s.compact(cutoff_us, batch.max(1)).await,
+            ProducerStore::Postgres(s) => s.compact(cutoff_us, batch.max(1)).await,
+        }
+    }
+
     /// In ONE transaction: what `consumer_db` (whose history reaches `highest_position`)
     /// lacks of what the outbox recorded as accepted, marked unaccepted again (last outcome
-    /// [`LOST_BY_CONSUMER`]) so it is sent again. Returns what was found (and unmarked).
+    /// [`LOST_BY_CONSUMER`]) so it is sent again. Returns what was found (and unmarked). If
+    /// any of those rows is compacted ([`LostRows::compacted`]), nothing is unmarked: they
+    /// cannot be sent again, and the caller must stop.
     pub async fn resend_lost(
         &self,
         consumer_db: String,

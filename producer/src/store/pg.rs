@@ -27,21 +27,45 @@ use tokio_postgres::types::ToSql;
 type Params<'a, const N: usize> = [&'a (dyn ToSql + Sync); N];
 
 use super::{
-    ADVANCE_BATCHES, AdvanceReply, Backlog, Decision, FlowRecord, LOST_BY_CONSUMER, LeaseRow, LeaseView,
-    LostRows, MARK_BATCHES, NO_ANSWER, OutboxRecord, Recorded, Role, StoreError, decide,
+    ADVANCE_BATCHES, AdvanceReply, Backlog, CompactReport, Decision, FlowRecord, LOST_BY_CONSUMER, LeaseRow,
+    LeaseView, LostRows, MARK_BATCHES, NO_ANSWER, OutboxRecord, Recorded, Role, StoreError, decide,
 };
 use crate::request::AdvanceCommand;
 
 /// The producer schema on PostgreSQL (version 1: the SQLite schema's tables and columns, the
 /// identity in `meta`, accepted-by columns from the start; version 2: each outbox row's
-/// partition and who marked it, the relays' lease and heartbeat tables).
+/// partition and who marked it, the relays' lease and heartbeat tables; version 3: tombstones,
+/// see [`UPGRADE_TO_3`]).
 pub const KIND: PgKind = PgKind {
     name: "producer",
     schema: "ordered_events_producer",
-    version: 2,
+    version: 3,
     ddl: DDL,
-    upgrades: &[UPGRADE_TO_2],
+    upgrades: &[UPGRADE_TO_2, UPGRADE_TO_3],
 };
+
+/// Version 3 (retention): compaction drops an accepted row's body in place (`body` NULL) and
+/// keeps its SHA-256 digest (`body_sha256`); a row has one or the other, never neither. The
+/// partial index finds the rows still to compact without scanning the history. Autovacuum
+/// runs on the outbox after 2 % of its rows changed (not the default 20 %), so the dead
+/// versions compaction leaves are reclaimed early and their space reused by new rows,
+/// instead of the table bloating between vacuums.
+macro_rules! tombstones_sql {
+    () => {
+        r#"
+ALTER TABLE outbox ALTER COLUMN body DROP NOT NULL;
+ALTER TABLE outbox ADD COLUMN body_sha256 BYTEA
+    CHECK(body_sha256 IS NULL OR octet_length(body_sha256) = 32);
+ALTER TABLE outbox ADD CONSTRAINT outbox_body_or_digest CHECK(body IS NOT NULL OR body_sha256 IS NOT NULL);
+CREATE INDEX outbox_compactable ON outbox(accepted_at_us) WHERE accepted = 1 AND body IS NOT NULL;
+ALTER TABLE outbox SET (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000,
+                        autovacuum_vacuum_insert_scale_factor = 0.02);
+"#
+    };
+}
+
+/// Version 2 to 3: see [`tombstones_sql`].
+const UPGRADE_TO_3: &str = tombstones_sql!();
 
 /// The relays' shared state (version 2): one lease row per partition (who holds it, the
 /// epoch every mark proves, until when by the database's clock) and one heartbeat row per
@@ -108,7 +132,8 @@ CREATE TABLE backlog(
 INSERT INTO backlog(id, unaccepted) VALUES (1, 0);
 "#,
     lease_ddl!(),
-    proto::flow_partition_sql!()
+    proto::flow_partition_sql!(),
+    tombstones_sql!()
 );
 
 /// Version 1 to 2: every existing row gets its partition computed by the database with the
@@ -223,7 +248,7 @@ impl PgStore {
         let stmt = client
             .prepare_cached(
                 "SELECT f.seq, f.state, f.amount, o.event_id, o.flow_id, o.seq, o.kind, o.schema, o.body,
-                        o.accepted, o.attempts, o.last_outcome, o.committed_at_us
+                        o.accepted, o.attempts, o.last_outcome, o.committed_at_us, o.body_sha256
                  FROM (SELECT $1::text AS id) k
                  LEFT JOIN flow f ON f.flow_id = k.id
                  LEFT JOIN outbox o ON o.flow_id = k.id
@@ -295,7 +320,7 @@ impl PgStore {
         let stmt = client
             .prepare_cached(
                 "SELECT event_id, flow_id, seq, kind, schema, body, accepted, attempts, last_outcome,
-                committed_at_us
+                committed_at_us, body_sha256
                  FROM outbox WHERE accepted = 0 AND (flow_id, seq) > ($1, $2)
                  ORDER BY flow_id, seq LIMIT $3",
             )
@@ -307,7 +332,7 @@ impl PgStore {
             .query(&stmt, &[&after.0, &after_seq, &limit])
             .await
             .map_err(|e| StoreError::from(e).during(what))?;
-        rows.iter().map(|r| outbox_from_row(r, 0)).collect()
+        super::refuse_compacted(rows.iter().map(|r| outbox_from_row(r, 0)).collect::<Result<_, _>>()?)
     }
 
     pub(super) async fn outbox_row(&self, event_id: String) -> Result<Option<OutboxRecord>, StoreError> {
@@ -326,7 +351,7 @@ impl PgStore {
         let stmt = client
             .prepare_cached(
                 "SELECT event_id, flow_id, seq, kind, schema, body, accepted, attempts, last_outcome,
-                 committed_at_us
+                 committed_at_us, body_sha256
                  FROM outbox WHERE accepted = 0 AND (flow_id, seq) > ($1, $2) AND partition = ANY($4)
                  ORDER BY flow_id, seq LIMIT $3",
             )
@@ -339,7 +364,7 @@ impl PgStore {
             .query(&stmt, &[&after.0, &after_seq, &limit, &partitions])
             .await
             .map_err(|e| StoreError::from(e).during(what))?;
-        rows.iter().map(|r| outbox_from_row(r, 0)).collect()
+        super::refuse_compacted(rows.iter().map(|r| outbox_from_row(r, 0)).collect::<Result<_, _>>()?)
     }
 
     pub(super) async fn record_deliveries(
@@ -607,6 +632,44 @@ impl PgStore {
         .await
     }
 
+    /// Compaction on PostgreSQL: each batch is ONE transaction whose one statement locks up
+    /// to `batch` compactable rows (`SKIP LOCKED`: rows a relay is marking are taken by a
+    /// later pass; the order does not matter) and drops their bodies in place, keeping the
+    /// digest the database computes from the same bytes. Autovacuum reclaims the old
+    /// versions (see [`UPGRADE_TO_3`]).
+    pub(super) async fn compact(&self, cutoff_us: i64, batch: usize) -> Result<CompactReport, StoreError> {
+        let what = "compact outbox rows";
+        let limit = i64::try_from(batch).unwrap_or(i64::MAX);
+        let mut report = CompactReport::default();
+        loop {
+            let client = self.client().await?;
+            // Plain awaits, no retry closure: this future is spawned by the background loop,
+            // and must be provably `Send`. A failed batch is rolled back; the next pass
+            // tries again (a connection that cannot roll back is dropped, not reused).
+            let done = compact_batch(&client, cutoff_us, limit, self.crash).await;
+            let (rows, bytes) = match done {
+                Ok(done) => done,
+                Err(e) => {
+                    if client.batch_execute("ROLLBACK").await.is_err() {
+                        drop(Object::take(client));
+                    }
+                    return Err(e.during(what));
+                }
+            };
+            if rows == 0 {
+                break;
+            }
+            self.crash.reach(CrashPoint::ProducerCompactAfterCommit);
+            report.compacted += rows;
+            report.body_bytes += bytes;
+            report.batches += 1;
+            if rows < batch as u64 {
+                break;
+            }
+        }
+        Ok(report)
+    }
+
     /// `partitions`: only rows of these (a relay under leases judges only the rows it alone
     /// marks; another relay may mark its own rows while this one asks its consumer).
     pub(super) async fn resend_lost(
@@ -651,17 +714,30 @@ impl PgStore {
                          ORDER BY flow_id, seq LIMIT 5",
                     )
                     .await?;
+                // The lost rows compaction already reduced to tombstones: a count and the first
+                // few ids in one row.
+                let compacted = client
+                    .prepare_cached(
+                        "SELECT count(*), coalesce((array_agg(event_id ORDER BY flow_id, seq))[1:5], '{}')
+                         FROM outbox
+                         WHERE accepted = 1 AND accepted_by IS NOT NULL AND body IS NULL
+                           AND (accepted_by <> $1 OR accepted_position > $2)
+                           AND ($3::smallint[] IS NULL OR partition = ANY($3))",
+                    )
+                    .await?;
                 // BEGIN and the four reads in one round trip, one transaction with the unmark.
                 let by: Params<'_, 2> = [&consumer_db, &partitions];
                 let by_beyond: Params<'_, 3> = [&consumer_db, &highest, &partitions];
-                let (begun, other, beyond, recorded, sample) = futures::join!(
+                let (begun, other, beyond, recorded, sample, compacted) = futures::join!(
                     client.batch_execute("BEGIN"),
                     client.query_one(&other, &by),
                     client.query_one(&beyond, &by_beyond),
                     client.query_one(&highest_recorded, &by),
                     client.query(&sample, &by_beyond),
+                    client.query_one(&compacted, &by_beyond),
                 );
                 begun?;
+                let compacted = compacted?;
                 let count = |row: Row| -> Result<u64, StoreError> {
                     let n: i64 = row.try_get(0)?;
                     u64::try_from(n).map_err(|_| StoreError::Corrupt(format!("negative count {n}")))
@@ -671,8 +747,12 @@ impl PgStore {
                     beyond_history: count(beyond?)?,
                     highest_recorded: count(recorded?)?,
                     sample: sample?.iter().map(|r| r.try_get(0)).collect::<Result<_, _>>()?,
+                    compacted: unsigned(&compacted, 0, "compacted lost rows")?,
+                    compacted_sample: compacted.try_get(1)?,
                 };
-                if lost.other_database + lost.beyond_history == 0 {
+                // Rows compacted to tombstones cannot be sent again: unmark nothing, the caller
+                // stops.
+                if lost.other_database + lost.beyond_history == 0 || lost.compacted > 0 {
                     client.batch_execute("ROLLBACK").await?;
                     return Ok(lost);
                 }
@@ -682,18 +762,75 @@ impl PgStore {
                              accepted_position = NULL, last_outcome = $3
                          WHERE accepted = 1 AND accepted_by IS NOT NULL
                            AND (accepted_by <> $1 OR accepted_position > $2)
-                           AND ($4::smallint[] IS NULL OR partition = ANY($4))",
+                           AND ($4::smallint[] IS NULL OR partition = ANY($4))
+                         RETURNING event_id, body IS NULL",
                     )
                     .await?;
-                let unmarked = client
-                    .execute(&unmark, &[&consumer_db, &highest, &LOST_BY_CONSUMER, &partitions])
-                    .await?;
-                commit_with_backlog(client, i64::try_from(unmarked).unwrap_or(i64::MAX)).await?;
+                let unmarked =
+                    client.query(&unmark, &[&consumer_db, &highest, &LOST_BY_CONSUMER, &partitions]).await?;
+                // The reads above ran before the rows were locked: a compaction that
+                // committed in between shows here, on each row's newest version. Then
+                // nothing is unmarked, as when the reads saw it.
+                let mut compacted_now = Vec::new();
+                for row in &unmarked {
+                    if row.try_get::<_, bool>(1)? {
+                        compacted_now.push(row.try_get::<_, String>(0)?);
+                    }
+                }
+                if !compacted_now.is_empty() {
+                    client.batch_execute("ROLLBACK").await?;
+                    let compacted = compacted_now.len() as u64;
+                    compacted_now.sort();
+                    compacted_now.truncate(5);
+                    return Ok(LostRows { compacted, compacted_sample: compacted_now, ..lost });
+                }
+                commit_with_backlog(client, i64::try_from(unmarked.len()).unwrap_or(i64::MAX)).await?;
                 Ok(lost)
             }
         })
         .await
     }
+}
+
+/// One compaction batch, ONE transaction: its one statement locks up to `limit` accepted
+/// rows with a body accepted at or before `cutoff_us` (`SKIP LOCKED`: rows a relay is marking
+/// are left to a later pass; the order does not matter) and drops their bodies in place,
+/// keeping the digest the database computes from the same UTF-8 bytes. Reaches
+/// `producer.compact.after_batch` before the commit. Returns the rows and body bytes.
+async fn compact_batch(
+    client: &Conn,
+    cutoff_us: i64,
+    limit: i64,
+    crash: CrashSwitch,
+) -> Result<(u64, u64), StoreError> {
+    let stmt = client
+        .prepare_cached(
+            "WITH c AS (
+                 SELECT event_id, octet_length(convert_to(body, 'UTF8')) AS n FROM outbox
+                 WHERE accepted = 1 AND body IS NOT NULL AND accepted_at_us <= $1
+                 LIMIT $2 FOR UPDATE SKIP LOCKED
+             ),
+             u AS (
+                 UPDATE outbox o SET body_sha256 = sha256(convert_to(o.body, 'UTF8')), body = NULL
+                 FROM c WHERE o.event_id = c.event_id
+                 RETURNING c.n
+             )
+             SELECT count(*), coalesce(sum(n), 0)::bigint FROM u",
+        )
+        .await?;
+    let params: Params<'_, 2> = [&cutoff_us, &limit];
+    let (begun, row) = futures::join!(client.batch_execute("BEGIN"), client.query_one(&stmt, &params));
+    begun?;
+    let row = row?;
+    let rows = unsigned(&row, 0, "compacted rows")?;
+    let bytes = unsigned(&row, 1, "compacted bytes")?;
+    if rows == 0 {
+        client.batch_execute("ROLLBACK").await?;
+        return Ok((0, 0));
+    }
+    crash.reach(CrashPoint::ProducerCompactAfterBatch);
+    client.batch_execute("COMMIT").await?;
+    Ok((rows, bytes))
 }
 
 /// Records a run of answers in ONE statement. `t`: the answers in order; `a`: one line per
@@ -859,17 +996,29 @@ fn flow_from_row(row: &Row, at: usize, flow_id: &str) -> Result<FlowRecord, Stor
 }
 
 /// The outbox row of `row` from column `at` on (`event_id, flow_id, seq, kind, schema, body,
-/// accepted, attempts, last_outcome, committed_at_us`).
+/// accepted, attempts, last_outcome, committed_at_us, body_sha256`). A row without a body is a
+/// tombstone (compacted).
 fn outbox_from_row(row: &Row, at: usize) -> Result<OutboxRecord, StoreError> {
     let schema: i32 = row.try_get(at + 4).map_err(corrupt)?;
     let accepted: i32 = row.try_get(at + 6).map_err(corrupt)?;
+    let body: Option<String> = row.try_get(at + 5).map_err(corrupt)?;
+    let digest: Option<Vec<u8>> = row.try_get(at + 10).map_err(corrupt)?;
+    let body_sha256 = match digest {
+        None => None,
+        Some(d) => Some(
+            <[u8; 32]>::try_from(d.as_slice())
+                .map_err(|_| StoreError::Corrupt(format!("outbox.body_sha256 of {} bytes", d.len())))?,
+        ),
+    };
     Ok(OutboxRecord {
         event_id: row.try_get(at).map_err(corrupt)?,
         flow_id: row.try_get(at + 1).map_err(corrupt)?,
         seq: unsigned(row, at + 2, "outbox.seq")?,
         kind: row.try_get(at + 3).map_err(corrupt)?,
         schema: u32::try_from(schema).map_err(|_| StoreError::Corrupt(format!("outbox.schema {schema}")))?,
-        body: row.try_get(at + 5).map_err(corrupt)?,
+        compacted: body.is_none(),
+        body: body.unwrap_or_default(),
+        body_sha256,
         accepted: accepted != 0,
         attempts: unsigned(row, at + 7, "outbox.attempts")?,
         last_outcome: row.try_get(at + 8).map_err(corrupt)?,
@@ -878,7 +1027,7 @@ fn outbox_from_row(row: &Row, at: usize) -> Result<OutboxRecord, StoreError> {
 }
 
 const EVENT_SQL: &str = "SELECT event_id, flow_id, seq, kind, schema, body, accepted, attempts, last_outcome,
-                committed_at_us
+                committed_at_us, body_sha256
      FROM outbox WHERE event_id = $1";
 const FLOW_SQL: &str = "SELECT seq, state, amount FROM flow WHERE flow_id = $1";
 
@@ -989,7 +1138,7 @@ async fn advance_batch(
     let events_stmt = client
         .prepare_cached(
             "SELECT event_id, flow_id, seq, kind, schema, body, accepted, attempts, last_outcome,
-                committed_at_us
+                committed_at_us, body_sha256
              FROM outbox WHERE event_id = ANY($1)",
         )
         .await?;

@@ -9,6 +9,8 @@ use proto::pg::testing::TestDb;
 use proto::target::DbTarget;
 
 use super::*;
+
+const KIND_PG_VERSION: i32 = PG_KIND.version;
 use crate::request::validate;
 
 fn cmd_on(flow: &str, event: &str, expected: u64, kind: &str, schema: u32, amount: i64) -> AdvanceCommand {
@@ -518,6 +520,9 @@ async fn the_upgrade_to_version_2_computes_every_rows_partition_as_the_producer_
             "",
             "DROP TABLE relay_lease; DROP TABLE relay_instance; DROP FUNCTION flow_partition(text);
              ALTER TABLE outbox DROP COLUMN partition, DROP COLUMN marked_by, DROP COLUMN marked_epoch;
+             DROP INDEX outbox_compactable;
+             ALTER TABLE outbox DROP CONSTRAINT outbox_body_or_digest, DROP COLUMN body_sha256;
+             ALTER TABLE outbox ALTER COLUMN body SET NOT NULL;
              UPDATE meta SET schema_version = 1;",
         )
         .await;
@@ -525,7 +530,8 @@ async fn the_upgrade_to_version_2_computes_every_rows_partition_as_the_producer_
     let Place::Postgres(db) = &place else { unreachable!() };
     let client = pg_client(db).await;
     let version: i32 = client.query_one("SELECT schema_version FROM meta", &[]).await.unwrap().get(0);
-    assert_eq!(version, 2);
+    // Every step up to the current one ran (2 is this test's; 3 adds the tombstones).
+    assert_eq!(version, KIND_PG_VERSION);
     let rows = client.query("SELECT flow_id, partition FROM outbox", &[]).await.unwrap();
     assert_eq!(rows.len(), flows.len());
     for row in rows {
@@ -594,4 +600,116 @@ async fn a_mark_under_a_lost_lease_lands_nowhere() {
     let view = store.lease_heartbeat("r1", 60_000_000, Vec::new()).await.unwrap();
     assert!(view.leases[p as usize].free);
     assert_eq!(view.live_relays, 1);
+}
+
+/// Retention: compaction reduces accepted rows older than the cutoff to tombstones in bounded
+/// batches (never an unaccepted row), answers stay exact against them, and rows a consumer
+/// lost that are compacted are never unmarked (they cannot be sent again).
+#[tokio::test]
+async fn compaction_keeps_answers_exact_and_never_resends_a_tombstone() {
+    on_both("producer_store_compact", |place| async move {
+        let store = place.open(None).await;
+        for (i, (id, kind)) in
+            [("A1", "reserved"), ("A2", "confirmed"), ("A3", "released")].iter().enumerate()
+        {
+            assert_eq!(outcome(&store, cmd(id, i as u64, kind, 1, 3)).await, AdvanceOutcome::Committed);
+        }
+        outcome(&store, cmd_on("B", "B1", 0, "reserved", 1, 3)).await;
+        let (_, rows) = store.flow("A".into()).await.unwrap();
+        let bodies: Vec<String> = rows.iter().map(|r| r.body.clone()).collect();
+        let answers = vec![
+            accepted("A1", DeliveryAnswer::Accepted, 1),
+            accepted("A2", DeliveryAnswer::Accepted, 2),
+            accepted("A3", DeliveryAnswer::Accepted, 3),
+        ];
+        store.record_deliveries(answers, Some("c1".into())).await.unwrap();
+        // A cutoff before the rows were accepted compacts nothing.
+        assert_eq!(store.compact(0, 2).await.unwrap().compacted, 0);
+        let report = store.compact(runtime::now_us(), 2).await.unwrap();
+        assert_eq!((report.compacted, report.batches), (3, 2), "{report:?}");
+        assert_eq!(report.body_bytes, bodies.iter().map(|b| b.len() as u64).sum::<u64>());
+        let (_, rows) = store.flow("A".into()).await.unwrap();
+        for (row, body) in rows.iter().zip(&bodies) {
+            assert!(row.compacted && row.body.is_empty() && row.accepted, "{row:?}");
+            assert_eq!(row.body_sha256, Some(runtime::retention::body_digest(body.as_bytes())));
+        }
+        let (_, b) = store.flow("B".into()).await.unwrap();
+        assert!(!b[0].compacted && !b[0].body.is_empty(), "an unaccepted row is never compacted");
+        assert_eq!(store.compact(runtime::now_us(), 2).await.unwrap().compacted, 0);
+        // EXISTING rebuilds the very body; CONFLICT shows the tombstone.
+        let retry = store.advance(cmd("A2", 1, "confirmed", 1, 3)).await.unwrap();
+        assert_eq!(retry.outcome, AdvanceOutcome::Existing);
+        let event = retry.event.unwrap();
+        assert_eq!((event.body.as_str(), event.compacted), (bodies[1].as_str(), false));
+        let changed = store.advance(cmd("A2", 1, "confirmed", 2, 3)).await.unwrap();
+        assert_eq!(changed.outcome, AdvanceOutcome::Conflict);
+        assert!(changed.event.unwrap().compacted);
+        // The consumer restored to position 1 lost A2 and A3, both tombstones: nothing unmarked.
+        let lost = store.resend_lost("c1".into(), 1).await.unwrap();
+        assert_eq!((lost.beyond_history, lost.compacted), (2, 2), "{lost:?}");
+        assert_eq!(lost.compacted_sample, ["A2", "A3"]);
+        assert_eq!(backlog(&store).await.unaccepted, 1);
+        let unaccepted = store.unaccepted_after((String::new(), 0), 10).await.unwrap();
+        assert_eq!(unaccepted.iter().map(|r| r.event_id.as_str()).collect::<Vec<_>>(), ["B1"]);
+    })
+    .await;
+}
+
+/// Version 2 to 3 on PostgreSQL in place: rows keep their bodies, and compact afterwards.
+#[tokio::test]
+async fn the_upgrade_to_version_3_keeps_every_body_and_compacts_afterwards() {
+    let Some(db) = TestDb::create("producer_store_upgrade_3") else { return };
+    let place = Place::Postgres(db);
+    {
+        let store = place.open(None).await;
+        outcome(&store, cmd("A1", 0, "reserved", 1, 3)).await;
+        store.record_deliveries(vec![accepted("A1", DeliveryAnswer::Accepted, 1)], None).await.unwrap();
+    }
+    // Back to version 2's shape, rows kept.
+    place
+        .sql(
+            "",
+            "DROP INDEX outbox_compactable;
+             ALTER TABLE outbox DROP CONSTRAINT outbox_body_or_digest;
+             ALTER TABLE outbox DROP COLUMN body_sha256;
+             ALTER TABLE outbox ALTER COLUMN body SET NOT NULL;
+             ALTER TABLE outbox RESET (autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold,
+                                       autovacuum_vacuum_insert_scale_factor);
+             UPDATE meta SET schema_version = 2;",
+        )
+        .await;
+    let store = place.open(None).await;
+    assert_eq!(place.text("SELECT CAST(schema_version AS TEXT) FROM meta").await.as_deref(), Some("3"));
+    let (_, rows) = store.flow("A".into()).await.unwrap();
+    assert!(!rows[0].compacted && rows[0].body.contains("\"A1\""), "{rows:?}");
+    let body = rows[0].body.clone();
+    assert_eq!(store.compact(runtime::now_us(), 10).await.unwrap().compacted, 1);
+    let (_, rows) = store.flow("A".into()).await.unwrap();
+    assert_eq!(rows[0].body_sha256, Some(runtime::retention::body_digest(body.as_bytes())));
+    assert_eq!(
+        place.text("SELECT reloptions::text FROM pg_class WHERE relname = 'outbox'").await.as_deref(),
+        Some(
+            "{autovacuum_vacuum_scale_factor=0.02,autovacuum_vacuum_threshold=1000,autovacuum_vacuum_insert_scale_factor=0.02}"
+        )
+    );
+}
+
+/// SQLite: a pass gives the pages the deleted bodies freed back to the file system (a new
+/// file has `auto_vacuum = INCREMENTAL`), and the file shrinks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sqlite_pass_gives_the_freed_pages_back() {
+    let place = Place::Sqlite(tempfile::tempdir().unwrap());
+    let store = place.open(None).await;
+    let ids: Vec<String> = (0..3000).map(|i| format!("a-long-enough-flow-identifier-{i:05}")).collect();
+    let steps = ids.iter().map(|f| store.advance(cmd_on(f, &format!("{f}-1"), 0, "reserved", 1, 3)));
+    for r in futures::future::join_all(steps).await {
+        assert_eq!(r.unwrap().outcome, AdvanceOutcome::Committed);
+    }
+    let answers =
+        ids.iter().map(|f| accepted(&format!("{f}-1"), DeliveryAnswer::Accepted, 0)).collect::<Vec<_>>();
+    store.record_deliveries(answers, None).await.unwrap();
+    let report = store.compact(runtime::now_us(), runtime::retention::COMPACT_BATCH).await.unwrap();
+    assert_eq!((report.compacted, report.batches), (3000, 6), "{report:?}");
+    assert!(report.pages_freed.unwrap() > 20, "{report:?}");
+    assert!(report.file_bytes_after.unwrap() < report.file_bytes_before.unwrap(), "{report:?}");
 }
