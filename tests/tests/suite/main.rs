@@ -18,6 +18,7 @@ mod producer;
 mod relay;
 mod relay_instances;
 mod relay_liveness;
+mod retention_consumer;
 mod rolling_upgrade;
 mod scenarios;
 mod security;
