@@ -188,7 +188,8 @@ fn a_bad_retention_is_refused_before_anything_is_created() {
     let db = path.to_str().unwrap();
     for (args, env) in [
         (vec!["--db", db, "--listen", "127.0.0.1:0", "--retention", "7w"], vec![]),
-        (vec!["--db", db, "--compact-once", "--retention", "-1d"], vec![]),
+        (vec!["--db", db, "--compact-once", "--retention=-1d"], vec![]),
+        (vec!["--db", db, "--compact-once", "--retention", "1.5h"], vec![]),
         (vec!["--db", db, "--listen", "127.0.0.1:0"], vec![("ORDERED_EVENTS_RETENTION", "soon")]),
     ] {
         let run = run_to_exit("consumer", &args, &env, START_DEADLINE);
