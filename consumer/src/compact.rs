@@ -13,7 +13,11 @@ use crate::store::{CompactReport, ConsumerStore, Result};
 
 /// One pass over `store` with `retention` (nothing to do when it is `off`), logged: info
 /// when it compacted anything, debug when there was nothing to do. The caller logs a failure.
-pub async fn compact_once(store: &ConsumerStore, retention: Retention, crash: CrashSwitch) -> Result<CompactReport> {
+pub async fn compact_once(
+    store: &ConsumerStore,
+    retention: Retention,
+    crash: CrashSwitch,
+) -> Result<CompactReport> {
     let Some(cutoff_us) = retention.cutoff_us(runtime::now_us()) else { return Ok(CompactReport::default()) };
     let started = std::time::Instant::now();
     let report = store.compact(cutoff_us, crash).await?;

@@ -183,7 +183,8 @@ pub(crate) struct RawInbox {
 impl RawInbox {
     /// The row, or `Inconsistent` when a stored word is not one this store writes.
     pub(crate) fn check(self) -> Result<InboxRecord> {
-        let RawInbox { event_id, flow_id, seq, kind, schema, body, sha256, state, reason, committed_at_us } = self;
+        let RawInbox { event_id, flow_id, seq, kind, schema, body, sha256, state, reason, committed_at_us } =
+            self;
         let state = InboxState::parse(&state)
             .ok_or_else(|| StoreError::Inconsistent(format!("inbox {event_id}: unknown state {state:?}")))?;
         let (body, compacted) = match (body, sha256) {
@@ -207,7 +208,18 @@ impl RawInbox {
                 StoreError::Inconsistent(format!("inbox {event_id}: unknown reason {r:?}"))
             })?),
         };
-        Ok(InboxRecord { event_id, flow_id, seq, kind, schema, body, compacted, state, reason, committed_at_us })
+        Ok(InboxRecord {
+            event_id,
+            flow_id,
+            seq,
+            kind,
+            schema,
+            body,
+            compacted,
+            state,
+            reason,
+            committed_at_us,
+        })
     }
 }
 
@@ -236,7 +248,9 @@ impl StoredBody {
     pub(crate) fn is(&self, body: &str) -> bool {
         match self {
             StoredBody::Whole(stored) => stored == body,
-            StoredBody::Digest(digest) => digest.as_slice() == runtime::retention::body_digest(body.as_bytes()),
+            StoredBody::Digest(digest) => {
+                digest.as_slice() == runtime::retention::body_digest(body.as_bytes())
+            }
         }
     }
 }

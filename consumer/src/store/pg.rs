@@ -18,10 +18,10 @@ use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
 use super::{
-    Admission, Backlog, CompactReport, BacklogCounts, BacklogReader, BatchAnswer, EffectRecord, FlowRun, FlowView, Identity,
-    InboxRecord, InboxState, Incoming, Next, RawInbox, ReceiveContext, ReceiveOutcome, Received, Result,
-    StepOutcome, StoreError, StoredBody, WAITING_WALK_LIMIT, checked_projection, commit_lag_us, reports,
-    settle,
+    Admission, Backlog, BacklogCounts, BacklogReader, BatchAnswer, CompactReport, EffectRecord, FlowRun,
+    FlowView, Identity, InboxRecord, InboxState, Incoming, Next, RawInbox, ReceiveContext, ReceiveOutcome,
+    Received, Result, StepOutcome, StoreError, StoredBody, WAITING_WALK_LIMIT, checked_projection,
+    commit_lag_us, reports, settle,
 };
 use crate::apply::{ApplyOptions, FlowResult, Stop};
 use crate::rules::{BlockReason, Decision, Projection, decide_next};
@@ -1871,7 +1871,10 @@ fn stored_answer(event: &Event, body: &str, read: &Row) -> Result<Received> {
     let position: Option<i64> = read.get(2);
     let holder: Option<String> = read.get(3);
     if position.is_some() && stored.is_none() {
-        return Err(StoreError::Inconsistent(format!("inbox {}: no body and no digest of one", event.event_id)));
+        return Err(StoreError::Inconsistent(format!(
+            "inbox {}: no body and no digest of one",
+            event.event_id
+        )));
     }
     match (stored, holder) {
         (Some(stored), _) if stored.is(body) => {

@@ -15,10 +15,10 @@ use runtime::blocking::{lock, with_locked};
 use rusqlite::{Connection, OptionalExtension, Transaction, params};
 
 use super::{
-    Admission, Backlog, CompactReport, BacklogCounts, BacklogReader, BatchAnswer, EffectRecord, FlowRun, FlowView, Identity,
-    InboxRecord, InboxState, Incoming, Next, RawInbox, ReceiveContext, ReceiveOutcome, Received, Result,
-    StepOutcome, StoreError, StoredBody, WAITING_WALK_LIMIT, checked_projection, commit_lag_us, reason_index, reports,
-    settle,
+    Admission, Backlog, BacklogCounts, BacklogReader, BatchAnswer, CompactReport, EffectRecord, FlowRun,
+    FlowView, Identity, InboxRecord, InboxState, Incoming, Next, RawInbox, ReceiveContext, ReceiveOutcome,
+    Received, Result, StepOutcome, StoreError, StoredBody, WAITING_WALK_LIMIT, checked_projection,
+    commit_lag_us, reason_index, reports, settle,
 };
 use crate::apply::{ApplyFailure, ApplyOptions, FlowResult, Stop};
 use crate::rules::{BlockReason, Decision, Projection, decide_next};
@@ -32,7 +32,13 @@ use crate::storage::StorageWatch;
 pub const KIND: DbKind = DbKind::consumer(
     6,
     SCHEMA,
-    &[IDENTITY_SQL, PLAIN_CHECKS_SQL, COUNTER_WITHOUT_TRIGGERS_SQL, COMMITTED_AT_AND_BLOCKED_SQL, BODIES_APART_SQL],
+    &[
+        IDENTITY_SQL,
+        PLAIN_CHECKS_SQL,
+        COUNTER_WITHOUT_TRIGGERS_SQL,
+        COMMITTED_AT_AND_BLOCKED_SQL,
+        BODIES_APART_SQL,
+    ],
 );
 
 /// Version 6 (retention, issue 16): the canonical bodies move to `inbox_body`, keyed by the
@@ -861,10 +867,19 @@ fn insert_pending_with(
             "INSERT INTO inbox(event_id, flow_id, seq, kind, schema, state, received_at_us, committed_at_us)
              VALUES (?1, ?2, ?3, ?4, ?5, 'pending', ?6, ?7) ON CONFLICT DO NOTHING",
         )?
-        .execute(params![event.event_id, event.flow_id, event.seq, event.kind, event.schema, now_us, committed_at_us])?;
+        .execute(params![
+            event.event_id,
+            event.flow_id,
+            event.seq,
+            event.kind,
+            event.schema,
+            now_us,
+            committed_at_us
+        ])?;
     if inserted == 1 {
         let position = held.conn().last_insert_rowid();
-        held.get("INSERT INTO inbox_body(position, body) VALUES (?1, ?2)")?.execute(params![position, body])?;
+        held.get("INSERT INTO inbox_body(position, body) VALUES (?1, ?2)")?
+            .execute(params![position, body])?;
         counter.delta += 1;
         return Ok(ReceiveOutcome::Accepted);
     }
@@ -891,7 +906,11 @@ fn stored_outcome(tx: &Connection, event: &Event, body: &str) -> Result<Option<R
         let stored = StoredBody::from_columns(stored_body, digest).ok_or_else(|| {
             StoreError::Inconsistent(format!("inbox {}: no body and no digest of one", event.event_id))
         })?;
-        return Ok(Some(if stored.is(body) { ReceiveOutcome::Duplicate } else { ReceiveOutcome::IdConflict }));
+        return Ok(Some(if stored.is(body) {
+            ReceiveOutcome::Duplicate
+        } else {
+            ReceiveOutcome::IdConflict
+        }));
     }
     let holder: Option<String> = tx
         .prepare_cached("SELECT event_id FROM inbox WHERE flow_id = ?1 AND seq = ?2")?
@@ -1511,10 +1530,10 @@ mod tests {
         drop(conn);
         let mut conn = open(&path).unwrap();
         let rows = flow_inbox(&conn, "A").unwrap();
-        assert_eq!(rows.iter().map(|r| r.body.clone()).collect::<Vec<_>>(), [
-            reference("A", 1).canonical_body(),
-            reference("A", 2).canonical_body()
-        ]);
+        assert_eq!(
+            rows.iter().map(|r| r.body.clone()).collect::<Vec<_>>(),
+            [reference("A", 1).canonical_body(), reference("A", 2).canonical_body()]
+        );
         assert_eq!(inbox_position(&conn, "A2").unwrap(), Some(2), "positions are kept");
         assert_eq!(step(&mut conn, "A"), Some(StepOutcome::Applied));
         // Only the applied A1 is compacted; the pending A2 keeps its body.

@@ -129,7 +129,8 @@ async fn compacted_rows_answer_redelivery_exactly() {
     let changed = envelope("A", 1, "reserved", 1, r#"{"amount":4}"#);
     let mut other_id = reference_envelopes("A")[1].clone();
     other_id.event_id = "X-at-A2".into();
-    let mixed = consumer.receive(vec![reference_envelopes("B")[0].clone(), changed.clone(), other_id.clone()]).await;
+    let mixed =
+        consumer.receive(vec![reference_envelopes("B")[0].clone(), changed.clone(), other_id.clone()]).await;
     assert_eq!(
         outcomes(&mixed),
         [ReceiveOutcome::Duplicate, ReceiveOutcome::IdConflict, ReceiveOutcome::SequenceConflict],
@@ -161,7 +162,10 @@ async fn compacted_rows_answer_redelivery_exactly() {
 async fn the_background_pass_compacts_applied_rows() {
     let Some(work) = Workdir::for_test() else { return };
     let consumer = Consumer::start_with(&work, &["--retention", "0", "--auto-apply"]);
-    assert!(consumer.process.log_text().contains("compaction of applied inbox rows"), "the loop says it runs");
+    assert!(
+        consumer.process.log_text().contains("compaction of applied inbox rows"),
+        "the loop says it runs"
+    );
     let answers = consumer.receive(reference_envelopes("A")).await;
     assert_eq!(outcomes(&answers), [ReceiveOutcome::Accepted; 3]);
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -279,4 +283,109 @@ async fn concurrent_passes_on_postgres_never_double_count() {
     assert_eq!(assert_whole_or_tombstone(&target, "after the passes"), (0, 4500));
     let again = consumer.receive(reference_envelopes("P00007")).await;
     assert_eq!(outcomes(&again), [ReceiveOutcome::Duplicate; 3]);
+}
+
+/// A measurement, not a timed test (run it with `--ignored --nocapture`, on either backend):
+/// how much the consumer's storage grows per event over 100k events (33 334 flows × 3 steps
+/// through Receive and ApplyAll), without compaction and with a pass at retention 0 after
+/// each 100k. SQLite: the file's size (pages × page size). PostgreSQL: the inbox relation's
+/// total size (heap, TOAST, indexes) and the whole schema's, after autovacuum has visited the
+/// inbox (waited for up to 3 minutes; a manual VACUUM otherwise, and it says so). Prints the
+/// figures the README quotes and checks that compaction makes the growth smaller.
+#[tokio::test]
+#[ignore = "a measurement (200k events), run by hand"]
+async fn measure_growth_per_event() {
+    let Some(work) = Workdir::for_test() else { return };
+    let consumer = Consumer::start_with(&work, &["--retention", "off", "--max-pending", "0"]);
+    let target = work.consumer_db();
+    let flows = 33_334;
+    let mut sizes = Vec::new();
+    for round in 0..2 {
+        let envelopes: Vec<pb::EventEnvelope> = (0..flows)
+            .flat_map(|k| {
+                let flow = format!("r{round}-{k:07}");
+                reference_envelopes(&flow).into_iter().map(move |mut e| {
+                    e.event_id = format!("{flow}-{}", e.seq);
+                    e
+                })
+            })
+            .collect();
+        for chunk in envelopes.chunks(20_000) {
+            let answers = consumer.receive(chunk.to_vec()).await;
+            assert!(outcomes(&answers).iter().all(|o| *o == ReceiveOutcome::Accepted));
+        }
+        let mut applied = 0;
+        loop {
+            let all = consumer.apply_all(0).await;
+            let n: u32 = all.results.iter().map(|f| f.applied).sum();
+            applied += n;
+            if n == 0 {
+                break;
+            }
+        }
+        assert_eq!(applied, flows * 3);
+        let plain = storage_size(&target, None);
+        let visits = autovacuum_visits(&target);
+        let compacted = compact_report(&target, "0");
+        assert_eq!(compacted["compacted"].as_u64(), Some(u64::from(flows) * 3), "{compacted}");
+        let after = storage_size(&target, Some(visits));
+        println!("round {round}: before the pass {plain:?}, pass {compacted}, after it {after:?}");
+        sizes.push((plain, after));
+    }
+    let events = f64::from(flows * 3);
+    let without = sizes[0].0.0 as f64 / events;
+    let with = (sizes[1].1.0 - sizes[0].1.0) as f64 / events;
+    println!(
+        "growth per event: {without:.0} B without compaction, {with:.0} B with a pass per 100k: {sizes:?}"
+    );
+    assert!(with < without, "{sizes:?}");
+}
+
+/// PostgreSQL: how often autovacuum has visited the inbox (0 on SQLite).
+fn autovacuum_visits(target: &Target) -> i64 {
+    let Target::Postgres(url) = target else { return 0 };
+    let pg = db::PgSession::connect(url, false).unwrap();
+    pg.run(|c| {
+        c.query_one(
+            "SELECT coalesce(sum(autovacuum_count), 0)::bigint FROM pg_stat_user_tables
+             WHERE schemaname = 'ordered_events_consumer' AND relname = 'inbox'",
+            &[],
+        )
+        .unwrap()
+        .get(0)
+    })
+    .unwrap()
+}
+
+/// SQLite: (file bytes, 0). PostgreSQL: (inbox total bytes, schema total bytes), once
+/// autovacuum visited the inbox more often than `after_visits` when that is given.
+fn storage_size(target: &Target, after_visits: Option<i64>) -> (u64, u64) {
+    match target {
+        Target::Sqlite(_) => {
+            let report = compact_report(target, "7d");
+            (report["size_after"].as_u64().unwrap(), 0)
+        }
+        Target::Postgres(url) => {
+            let pg = db::PgSession::connect(url, false).unwrap();
+            let q = |sql: &'static str| -> i64 {
+                pg.run(move |c| c.query_one(sql, &[]).unwrap().get(0)).unwrap()
+            };
+            if let Some(before) = after_visits {
+                let deadline = Instant::now() + Duration::from_secs(180);
+                while autovacuum_visits(target) <= before {
+                    if Instant::now() > deadline {
+                        println!("autovacuum did not visit the inbox within 3 minutes: VACUUM by hand");
+                        pg.run(|c| c.batch_execute("VACUUM ordered_events_consumer.inbox").unwrap()).unwrap();
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(500));
+                }
+            }
+            let inbox = q("SELECT pg_total_relation_size('ordered_events_consumer.inbox')");
+            let schema = q("SELECT sum(pg_total_relation_size(c.oid))::bigint FROM pg_class c
+                 JOIN pg_namespace n ON n.oid = c.relnamespace
+                 WHERE n.nspname = 'ordered_events_consumer' AND c.relkind IN ('r', 'm')");
+            (inbox as u64, schema as u64)
+        }
+    }
 }
