@@ -183,6 +183,26 @@ async fn the_background_pass_compacts_applied_rows() {
     assert!(log.contains("compacted applied inbox rows to tombstones"), "no pass logged:\n{log}");
 }
 
+/// `--compact-once` while a consumer serves the same database: the pass goes through the
+/// same locks as every writer, and the serving consumer sees the tombstones at once (GetFlow)
+/// and answers redeliveries against them.
+#[tokio::test]
+async fn compact_once_beside_a_serving_consumer() {
+    let Some(work) = Workdir::for_test() else { return };
+    let consumer = Consumer::start_with(&work, &["--retention", "off"]);
+    let answers = consumer.receive(reference_envelopes("A")).await;
+    assert_eq!(outcomes(&answers), [ReceiveOutcome::Accepted; 3]);
+    assert_eq!(consumer.apply("A").await.applied, 3);
+    let report = compact_report(&work.consumer_db(), "0");
+    assert_eq!(report["compacted"], 3, "{report}");
+    let flow = consumer.get_flow("A").await;
+    assert!(flow.inbox.iter().all(|r| r.compacted && r.body.is_empty()), "{flow:?}");
+    let again = consumer.receive(reference_envelopes("A")).await;
+    assert_eq!(outcomes(&again), [ReceiveOutcome::Duplicate; 3], "{again:?}");
+    let b = consumer.receive(reference_envelopes("B")).await;
+    assert_eq!(outcomes(&b), [ReceiveOutcome::Accepted; 3], "new events still go in");
+}
+
 /// `--retention` that is not a duration: exit 2 with a message naming the flag (flag and
 /// environment twin alike), before anything is opened or created.
 #[test]
