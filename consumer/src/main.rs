@@ -75,6 +75,17 @@ struct Args {
     )]
     auto_apply: bool,
     #[command(flatten)]
+    retention: runtime::retention::RetentionFlags,
+    /// Run one compaction pass now with the given --retention and exit: open the database
+    /// (creating or upgrading its schema like a start), reduce every applied inbox row
+    /// applied longer ago than the retention to its tombstone, print one JSON line on stdout
+    /// ({"compacted":N,"body_bytes":B,"batches":T}, on SQLite also pages_freed, size_before
+    /// and size_after in bytes) and exit 0, without serving. Safe while servers run on the
+    /// same database.
+    #[arg(long, env = "ORDERED_EVENTS_COMPACT_ONCE", action = ArgAction::SetTrue,
+          value_parser = clap::builder::BoolishValueParser::new())]
+    compact_once: bool,
+    #[command(flatten)]
     server: runtime::ServerFlags,
     #[command(flatten)]
     metrics: runtime::metrics::MetricsFlags,
@@ -86,10 +97,17 @@ fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
+    let crash = proto::crash::CrashSwitch::from_env()?;
+    if args.compact_once {
+        let store = consumer::store::ConsumerStore::open(&args.db).await?;
+        let report = consumer::compact::compact_once(&store, args.retention.retention, crash).await?;
+        println!("{}", report.json());
+        return Ok(());
+    }
     let service = consumer::ConsumerService::open(&consumer::Config {
         db: args.db,
         support_v2: args.support_v2,
-        crash: proto::crash::CrashSwitch::from_env()?,
+        crash,
         max_batch: args.max_batch,
         admission: match args.max_pending {
             0 => consumer::store::Admission::Unlimited,
@@ -97,6 +115,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         },
         apply_batch: args.apply_batch,
         auto_apply: args.auto_apply,
+        retention: args.retention.retention,
     })
     .await?;
     let exposition =

@@ -71,8 +71,31 @@ pub static COMMIT_TO_APPLIED: Histogram = Histogram::seconds(
     None,
 );
 
-static FAMILIES: [&dyn Expose; 4] =
-    [&RECEIVE_OUTCOMES, &APPLY_STOPS, &COMMIT_TO_APPLIED, &runtime::batches::FAMILIES];
+/// Applied inbox rows this process reduced to tombstones (retention), and the body bytes it
+/// dropped. Each row is counted by the one pass (of one instance) that compacted it.
+pub static COMPACTED: Counters<1> = Counters::new(
+    "ordered_events_consumer_compacted_rows",
+    "Applied inbox rows compacted to tombstones (body dropped, digest kept) by this process.",
+    "table",
+    ["inbox"],
+);
+
+/// The canonical body bytes dropped by compaction in this process.
+pub static COMPACTED_BYTES: Counters<1> = Counters::new(
+    "ordered_events_consumer_compacted_body_bytes",
+    "Bytes of canonical bodies dropped by compaction in this process.",
+    "table",
+    ["inbox"],
+);
+
+static FAMILIES: [&dyn Expose; 6] = [
+    &RECEIVE_OUTCOMES,
+    &APPLY_STOPS,
+    &COMMIT_TO_APPLIED,
+    &COMPACTED,
+    &COMPACTED_BYTES,
+    &runtime::batches::FAMILIES,
+];
 
 /// What `/metrics` serves for a consumer on `store` whose backlog cap is `cap` (`None`: none).
 pub fn exposition(store: &ConsumerStore, cap: Option<u64>) -> Exposition {

@@ -40,6 +40,9 @@ pub struct Config {
     pub auto_apply: bool,
     /// The backlog cap on unapplied inbox rows.
     pub admission: store::Admission,
+    /// How long an applied inbox row keeps its body before compaction (a background pass
+    /// every `retention.pass_interval()`; none when off).
+    pub retention: runtime::retention::Retention,
 }
 
 /// Answers buffered per `Receive` stream before the reader waits for the client.
@@ -107,6 +110,7 @@ impl ConsumerService {
             storage: Some(storage),
         };
         storage.spawn_recovery(store.clone(), config.auto_apply.then_some(opts));
+        crate::compact::spawn(store.clone(), config.retention, config.crash);
         let writer = receive::spawn(
             store.clone(),
             WriterOptions {
@@ -395,8 +399,20 @@ fn inbox_pb(r: InboxRecord) -> pb::InboxRow {
         schema: r.schema,
         state: r.state.as_str().to_owned(),
         reason: r.reason.map(|r| r.as_str().to_owned()).unwrap_or_default(),
+        compacted: r.compacted.is_some(),
+        body_sha256: hex(&r.compacted.unwrap_or_else(|| runtime::retention::body_digest(r.body.as_bytes()))),
         body: r.body,
     }
+}
+
+/// Lower-case hex, as the wire shows digests.
+fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write as _;
+    bytes.iter().fold(String::with_capacity(bytes.len() * 2), |mut out, b| {
+        // Writing into a String cannot fail.
+        let _ = write!(out, "{b:02x}");
+        out
+    })
 }
 
 fn effect_pb(e: EffectRecord) -> pb::EffectRow {

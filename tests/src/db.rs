@@ -471,8 +471,11 @@ pub struct InboxRow {
     pub state: String,
     /// Why it is blocked, exactly while blocked.
     pub reason: Option<String>,
-    /// The canonical body as received.
+    /// The canonical body as received; empty once the row is compacted (retention).
     pub body: String,
+    /// A compacted row's SHA-256 digest of its canonical body (lower-case hex); `None` while
+    /// the body is stored.
+    pub body_sha256: Option<String>,
 }
 
 /// A consumer `effect` row.
@@ -550,12 +553,27 @@ pub fn read_outbox(s: &Session) -> Result<Vec<OutboxRow>, String> {
 }
 
 /// All inbox rows, by (flow_id, seq); `rowid` keeps the arrival order.
+/// On SQLite the bodies live in `inbox_body` (keyed by the row's position) from schema
+/// version 6 on; a compacted row has no body and keeps its digest. Tables written by hand in
+/// an older shape (body in `inbox`, no digest column) read as well.
 pub fn read_inbox(s: &Session) -> Result<Vec<InboxRow>, String> {
-    let sql = format!(
-        "SELECT {}, event_id, flow_id, seq, state, reason, body FROM inbox ORDER BY flow_id, seq",
-        s.position()
-    );
-    s.rows(Store::Consumer, "inbox", &sql)?
+    let sql = match s {
+        Session::Sqlite(conn) if sqlite_has_table(conn, "inbox_body") => {
+            "SELECT i.rowid, i.event_id, i.flow_id, i.seq, i.state, i.reason,
+                    coalesce(b.body, ''), lower(hex(i.body_sha256))
+             FROM inbox i LEFT JOIN inbox_body b ON b.position = i.rowid ORDER BY i.flow_id, i.seq"
+        }
+        Session::Sqlite(_) => {
+            "SELECT rowid, event_id, flow_id, seq, state, reason, body, NULL FROM inbox ORDER BY flow_id, seq"
+        }
+        // `to_jsonb` reads a column that may not exist (NULL then); a bytea shows as `\x…`.
+        Session::Postgres(_) => {
+            "SELECT position, event_id, flow_id, seq, state, reason, coalesce(body, ''),
+                    substr(to_jsonb(i) ->> 'body_sha256', 3)
+             FROM inbox i ORDER BY flow_id, seq"
+        }
+    };
+    s.rows(Store::Consumer, "inbox", sql)?
         .iter()
         .map(|r| {
             Ok(InboxRow {
@@ -566,6 +584,7 @@ pub fn read_inbox(s: &Session) -> Result<Vec<InboxRow>, String> {
                 state: r.text(4)?,
                 reason: r.opt_text(5)?,
                 body: r.text(6)?,
+                body_sha256: r.opt_text(7)?.filter(|d| !d.is_empty()),
             })
         })
         .collect::<Result<_, String>>()
@@ -663,9 +682,26 @@ pub fn unaccepted_successor_bodies(s: &Session, limit: u32) -> Result<Vec<String
     s.rows(Store::Producer, "outbox", &sql)?.iter().map(|r| r.text(0)).collect()
 }
 
-/// The bodies of the newest inbox rows (newest first, at most `limit`).
+/// Whether a SQLite database has table `name`.
+fn sqlite_has_table(conn: &Connection, name: &str) -> bool {
+    conn.query_row("SELECT count(*) FROM sqlite_schema WHERE type = 'table' AND name = ?1", [name], |r| {
+        r.get::<_, i64>(0)
+    })
+    .is_ok_and(|n| n > 0)
+}
+
+/// The bodies of the newest inbox rows that still have one (newest first, at most `limit`;
+/// compacted rows have none).
 pub fn newest_inbox_bodies(s: &Session, limit: u32) -> Result<Vec<String>, String> {
-    let sql = format!("SELECT body FROM inbox ORDER BY {} DESC LIMIT {limit}", s.position());
+    let sql = match s {
+        Session::Sqlite(conn) if sqlite_has_table(conn, "inbox_body") => {
+            format!("SELECT body FROM inbox_body ORDER BY position DESC LIMIT {limit}")
+        }
+        Session::Sqlite(_) => format!("SELECT body FROM inbox ORDER BY rowid DESC LIMIT {limit}"),
+        Session::Postgres(_) => {
+            format!("SELECT body FROM inbox WHERE body IS NOT NULL ORDER BY position DESC LIMIT {limit}")
+        }
+    };
     s.rows(Store::Consumer, "inbox", &sql)?.iter().map(|r| r.text(0)).collect()
 }
 

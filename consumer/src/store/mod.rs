@@ -150,8 +150,11 @@ pub struct InboxRecord {
     pub kind: String,
     /// Its payload schema.
     pub schema: u32,
-    /// The canonical body, stored verbatim.
+    /// The canonical body, stored verbatim; empty once the row is compacted.
     pub body: String,
+    /// The SHA-256 digest of the canonical body, exactly when the row is compacted (a
+    /// tombstone: an applied row past the retention whose body is gone).
+    pub compacted: Option<[u8; 32]>,
     /// Where it is: pending, blocked or applied.
     pub state: InboxState,
     /// Why it is blocked (only while blocked).
@@ -168,7 +171,10 @@ pub(crate) struct RawInbox {
     pub seq: u64,
     pub kind: String,
     pub schema: u32,
-    pub body: String,
+    /// `None` once compacted.
+    pub body: Option<String>,
+    /// The digest a tombstone keeps (`None` while the body is stored).
+    pub sha256: Option<Vec<u8>>,
     pub state: String,
     pub reason: Option<String>,
     pub committed_at_us: Option<i64>,
@@ -177,16 +183,110 @@ pub(crate) struct RawInbox {
 impl RawInbox {
     /// The row, or `Inconsistent` when a stored word is not one this store writes.
     pub(crate) fn check(self) -> Result<InboxRecord> {
-        let RawInbox { event_id, flow_id, seq, kind, schema, body, state, reason, committed_at_us } = self;
+        let RawInbox { event_id, flow_id, seq, kind, schema, body, sha256, state, reason, committed_at_us } =
+            self;
         let state = InboxState::parse(&state)
             .ok_or_else(|| StoreError::Inconsistent(format!("inbox {event_id}: unknown state {state:?}")))?;
+        let (body, compacted) = match (body, sha256) {
+            (Some(body), _) => (body, None),
+            (None, Some(digest)) if state == InboxState::Applied => {
+                let digest: [u8; 32] = digest.try_into().map_err(|d: Vec<u8>| {
+                    StoreError::Inconsistent(format!("inbox {event_id}: a digest of {} bytes", d.len()))
+                })?;
+                (String::new(), Some(digest))
+            }
+            (None, _) => {
+                return Err(StoreError::Inconsistent(format!(
+                    "inbox {event_id}: no body and no digest of one (state {})",
+                    state.as_str()
+                )));
+            }
+        };
         let reason = match reason {
             None => None,
             Some(r) => Some(BlockReason::parse(&r).ok_or_else(|| {
                 StoreError::Inconsistent(format!("inbox {event_id}: unknown reason {r:?}"))
             })?),
         };
-        Ok(InboxRecord { event_id, flow_id, seq, kind, schema, body, state, reason, committed_at_us })
+        Ok(InboxRecord {
+            event_id,
+            flow_id,
+            seq,
+            kind,
+            schema,
+            body,
+            compacted,
+            state,
+            reason,
+            committed_at_us,
+        })
+    }
+}
+
+/// What is stored under an event id, as a Receive compares it: the body, or a tombstone's
+/// digest of it.
+pub(crate) enum StoredBody {
+    /// The canonical body, verbatim.
+    Whole(String),
+    /// The row is compacted: the SHA-256 digest of its canonical body.
+    Digest(Vec<u8>),
+}
+
+impl StoredBody {
+    /// From the two columns a read returns (body, digest); `None` when both are NULL.
+    pub(crate) fn from_columns(body: Option<String>, sha256: Option<Vec<u8>>) -> Option<StoredBody> {
+        match (body, sha256) {
+            (Some(body), _) => Some(StoredBody::Whole(body)),
+            (None, Some(digest)) => Some(StoredBody::Digest(digest)),
+            (None, None) => None,
+        }
+    }
+
+    /// Whether `body` (an incoming event's canonical body) is the stored one: compared byte
+    /// for byte while the body is stored, by SHA-256 digest once it is compacted. Only the
+    /// duplicate and conflict paths call this, never a new event's insert.
+    pub(crate) fn is(&self, body: &str) -> bool {
+        match self {
+            StoredBody::Whole(stored) => stored == body,
+            StoredBody::Digest(digest) => {
+                digest.as_slice() == runtime::retention::body_digest(body.as_bytes())
+            }
+        }
+    }
+}
+
+/// What one compaction pass did (the `--compact-once` line and the pass's log line).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CompactReport {
+    /// Applied inbox rows reduced to tombstones.
+    pub compacted: u64,
+    /// Bytes of canonical bodies dropped.
+    pub body_bytes: u64,
+    /// Transactions that compacted rows (each at most `COMPACT_BATCH` rows).
+    pub batches: u64,
+    /// SQLite: pages given back to the file system by `incremental_vacuum` (0 on a file
+    /// created before retention, whose freed pages are only reused, and on PostgreSQL).
+    pub pages_freed: u64,
+    /// SQLite: the database's size in bytes (page count × page size) before the pass.
+    pub size_before: Option<u64>,
+    /// SQLite: the same after the pass.
+    pub size_after: Option<u64>,
+}
+
+impl CompactReport {
+    /// The one JSON line `--compact-once` prints.
+    pub fn json(&self) -> String {
+        let mut line = serde_json::json!({
+            "compacted": self.compacted,
+            "body_bytes": self.body_bytes,
+            "batches": self.batches,
+        });
+        if let (Some(before), Some(after)) = (self.size_before, self.size_after) {
+            line["pages_freed"] = self.pages_freed.into();
+            line["size_before"] = before.into();
+            line["size_after"] = after.into();
+        }
+        line.to_string()
     }
 }
 
@@ -486,6 +586,21 @@ impl ConsumerStore {
         match self {
             ConsumerStore::Sqlite(s) => s.backlog_reader(),
             ConsumerStore::Postgres(p) => p.backlog_reader(),
+        }
+    }
+
+    /// One compaction pass (issue 16): every applied inbox row applied before `cutoff_us`
+    /// is reduced to a tombstone (event id, flow id, seq, kind, schema and the SHA-256 digest
+    /// of its body; the body is dropped), in transactions of at most `COMPACT_BATCH` rows.
+    /// Pending and blocked rows are never touched. Crash points `consumer.compact.after_batch`
+    /// (a batch rewritten, not committed) and `.after_commit` sit inside. On SQLite the freed
+    /// pages are then given back (`incremental_vacuum`, in bounded steps) when the file
+    /// allows it. Several instances on one PostgreSQL database may run passes at once: each
+    /// row is compacted (and counted) by exactly one of them.
+    pub async fn compact(&self, cutoff_us: i64, crash: CrashSwitch) -> Result<CompactReport> {
+        match self {
+            ConsumerStore::Sqlite(s) => s.compact(cutoff_us, crash).await,
+            ConsumerStore::Postgres(p) => p.compact(cutoff_us, crash).await,
         }
     }
 

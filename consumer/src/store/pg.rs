@@ -10,7 +10,7 @@ use std::future::Future;
 
 use deadpool_postgres::{Pool, Transaction};
 use proto::body::Event;
-use proto::crash::CrashPoint;
+use proto::crash::{CrashPoint, CrashSwitch};
 use proto::db::{OpenMode, StepFailure};
 use proto::pg::{PgError, PgKind};
 use proto::target::PgUrl;
@@ -18,9 +18,10 @@ use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
 use super::{
-    Admission, Backlog, BacklogCounts, BacklogReader, BatchAnswer, EffectRecord, FlowRun, FlowView, Identity,
-    InboxRecord, InboxState, Incoming, Next, RawInbox, ReceiveContext, ReceiveOutcome, Received, Result,
-    StepOutcome, StoreError, WAITING_WALK_LIMIT, checked_projection, commit_lag_us, reports, settle,
+    Admission, Backlog, BacklogCounts, BacklogReader, BatchAnswer, CompactReport, EffectRecord, FlowRun,
+    FlowView, Identity, InboxRecord, InboxState, Incoming, Next, RawInbox, ReceiveContext, ReceiveOutcome,
+    Received, Result, StepOutcome, StoreError, StoredBody, WAITING_WALK_LIMIT, checked_projection,
+    commit_lag_us, reports, settle,
 };
 use crate::apply::{ApplyOptions, FlowResult, Stop};
 use crate::rules::{BlockReason, Decision, Projection, decide_next};
@@ -29,7 +30,7 @@ use crate::storage::StorageWatch;
 /// The columns `raw_inbox` reads, as a macro so the statements are literals.
 macro_rules! inbox_columns {
     () => {
-        "i.event_id, i.flow_id, i.seq, i.kind, i.schema, i.body, i.state, i.reason, i.committed_at_us"
+        "i.event_id, i.flow_id, i.seq, i.kind, i.schema, i.body, i.body_sha256, i.state, i.reason, i.committed_at_us"
     };
 }
 
@@ -37,9 +38,9 @@ macro_rules! inbox_columns {
 pub const KIND: PgKind = PgKind {
     name: "consumer",
     schema: "ordered_events_consumer",
-    version: 3,
+    version: 4,
     ddl: DDL,
-    upgrades: &[UPGRADE_TO_2, UPGRADE_TO_3],
+    upgrades: &[UPGRADE_TO_2, UPGRADE_TO_3, UPGRADE_TO_4],
 };
 
 /// Connections in the pool: the Receive writer, the appliers (Apply, auto-apply), readers
@@ -262,9 +263,32 @@ INSERT INTO probe(id, probed_at_us) VALUES (1, NULL);
 #[cfg(test)]
 pub(crate) const DDL_V2: &str = ddl_v2!();
 
-/// The schema (version 3): version 2's, then the upgrade to 3, so a new schema and an
+/// Version 3 to 4 (retention, issue 16): a compacted inbox row keeps everything but its body,
+/// which is replaced by the SHA-256 digest of it (`body_sha256`), updated in place: the
+/// row's position, its uniqueness constraints and every Receive answer stay as they were.
+/// The dead tuples' space is reused by later rows once vacuumed, so autovacuum visits the
+/// inbox after 2 % of its rows changed (the default 20 % lets a large inbox bloat between
+/// visits). The partial index `inbox_uncompacted` holds exactly the applied rows that still
+/// have a body, so a pass finds them without reading the history (and a new event's insert,
+/// pending, never enters it).
+macro_rules! upgrade_to_4 {
+    () => {
+        r#"
+ALTER TABLE inbox ALTER COLUMN body DROP NOT NULL;
+ALTER TABLE inbox ADD COLUMN body_sha256 BYTEA;
+ALTER TABLE inbox ADD CONSTRAINT inbox_body_or_tombstone CHECK(
+    body IS NOT NULL AND body_sha256 IS NULL
+    OR body IS NULL AND state = 'applied' AND octet_length(body_sha256) = 32);
+CREATE INDEX inbox_uncompacted ON inbox(applied_at_us) WHERE state = 'applied' AND body IS NOT NULL;
+ALTER TABLE inbox SET (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000);
+"#
+    };
+}
+const UPGRADE_TO_4: &str = upgrade_to_4!();
+
+/// The schema (version 4): version 2's, then the upgrades to 3 and 4, so a new schema and an
 /// upgraded one are the same.
-const DDL: &str = concat!(ddl_v2!(), upgrade_to_3!());
+const DDL: &str = concat!(ddl_v2!(), upgrade_to_3!(), upgrade_to_4!());
 
 impl From<tokio_postgres::Error> for StoreError {
     /// A deadlock or serialization failure aborted the transaction (retryable, as a whole
@@ -714,6 +738,37 @@ impl PgStore {
         Ok(rows.iter().map(|r| r.get(0)).collect())
     }
 
+    /// One compaction pass: transactions of at most `COMPACT_BATCH` rows, each one UPDATE
+    /// that takes its rows from `inbox_uncompacted` with `FOR UPDATE SKIP LOCKED` (another
+    /// instance's pass skips them, and a row it compacted first no longer matches once its
+    /// lock is granted), so concurrent passes never compact or count a row twice. The digest
+    /// is computed by the server from the UTF-8 bytes of the stored body: the same bytes the
+    /// canonical body has everywhere.
+    pub(crate) async fn compact(&self, cutoff_us: i64, crash: CrashSwitch) -> Result<CompactReport> {
+        let mut report = CompactReport::default();
+        let batch = runtime::retention::COMPACT_BATCH;
+        loop {
+            let mut client = self.pool.get().await?;
+            let tx = client.transaction().await?;
+            let stmt = tx.prepare_cached(COMPACT_SQL).await?;
+            let rows = tx.query(&stmt, &[&cutoff_us, &(batch as i64)]).await?;
+            if rows.is_empty() {
+                // Nothing written: dropping the transaction rolls it back.
+                break;
+            }
+            crash.reach(CrashPoint::ConsumerCompactAfterBatch);
+            tx.commit().await?;
+            crash.reach(CrashPoint::ConsumerCompactAfterCommit);
+            report.compacted += rows.len() as u64;
+            report.body_bytes += rows.iter().map(|r| unsigned(r.get::<_, i32>(0).into())).sum::<u64>();
+            report.batches += 1;
+            if rows.len() < batch {
+                break;
+            }
+        }
+        Ok(report)
+    }
+
     pub(crate) async fn flow(&self, flow_id: &str) -> Result<FlowView> {
         let mut client = self.pool.get().await?;
         // One REPEATABLE READ transaction: projection, inbox and effects are one snapshot.
@@ -908,12 +963,23 @@ const READ_GROUP_SQL: &str = concat!(
     " FROM unnest($1::text[]) WITH ORDINALITY AS f(flow_id, n)
       LEFT JOIN projection p ON p.flow_id = f.flow_id
       LEFT JOIN LATERAL (
-          SELECT event_id, flow_id, seq, kind, schema, body, state, reason, committed_at_us FROM inbox
+          SELECT event_id, flow_id, seq, kind, schema, body, body_sha256, state, reason, committed_at_us
+          FROM inbox
           WHERE inbox.flow_id = f.flow_id AND inbox.state <> 'applied'
             AND inbox.seq > coalesce(p.last_seq, 0)
           ORDER BY seq LIMIT $2) i ON true
       ORDER BY f.n, i.seq"
 );
+
+/// One compaction batch: up to `$2` applied rows applied before `$1` that still have a body
+/// lose it for its digest; returns the dropped body's size per row.
+const COMPACT_SQL: &str = "WITH c AS (
+         SELECT event_id, octet_length(body) AS bytes FROM inbox
+         WHERE state = 'applied' AND body IS NOT NULL AND applied_at_us < $1
+         LIMIT $2 FOR UPDATE SKIP LOCKED)
+     UPDATE inbox i SET body_sha256 = sha256(convert_to(i.body, 'UTF8')), body = NULL
+     FROM c WHERE i.event_id = c.event_id
+     RETURNING c.bytes";
 
 /// What the fast path decided for one flow of a group.
 struct Planned {
@@ -1389,9 +1455,10 @@ fn raw_inbox(r: &Row, at: usize) -> RawInbox {
         kind: r.get(at + 3),
         schema: u32::try_from(r.get::<_, i32>(at + 4)).unwrap_or(0),
         body: r.get(at + 5),
-        state: r.get(at + 6),
-        reason: r.get(at + 7),
-        committed_at_us: r.get(at + 8),
+        sha256: r.get(at + 6),
+        state: r.get(at + 7),
+        reason: r.get(at + 8),
+        committed_at_us: r.get(at + 9),
     }
 }
 
@@ -1428,7 +1495,7 @@ async fn next_to_apply(tx: &Transaction<'_>, flow_id: &str) -> Result<(Projectio
     let from = checked_projection(flow_id, projection_columns(&r, 0))?;
     let event_id: Option<String> = r.get(4);
     if event_id.is_none() {
-        let later: bool = r.get(13);
+        let later: bool = r.get(14);
         return Ok((from, Some(if later { Next::Gap } else { Next::Idle })));
     }
     let row = raw_inbox(&r, 4).check()?;
@@ -1556,11 +1623,12 @@ const INSERT_PENDING_SQL: &str =
     "INSERT INTO inbox(event_id, flow_id, seq, kind, schema, body, state, received_at_us, committed_at_us)
      VALUES ($1, $2, $3, $4, $5, $6, 'pending', $7, $8) ON CONFLICT DO NOTHING RETURNING position";
 
-/// What is stored under an event id and at a (flow_id, seq), read right after the insert
-/// (so it sees exactly what an envelope decided alone at that point would see).
-const STORED_SQL: &str = "SELECT (SELECT body FROM inbox WHERE event_id = $1),
-            (SELECT position FROM inbox WHERE event_id = $1),
-            (SELECT event_id FROM inbox WHERE flow_id = $2 AND seq = $3)";
+/// What is stored under an event id (its body or a tombstone's digest of it, and its
+/// position) and at a (flow_id, seq), read right after the insert (so it sees exactly what
+/// an envelope decided alone at that point would see). One lookup by event id.
+const STORED_SQL: &str = "SELECT i.body, i.body_sha256, i.position,
+            (SELECT event_id FROM inbox WHERE flow_id = $2 AND seq = $3)
+     FROM (VALUES (1)) AS one(x) LEFT JOIN inbox i ON i.event_id = $1";
 
 /// A statement sent on a pipeline, boxed so statements of different shapes share a queue.
 type PipedFuture<'a, T = Piped> =
@@ -1690,7 +1758,7 @@ const INSERT_ALL_SQL: &str =
 
 /// For each envelope the insert skipped: what holds its event id (body, position) and its
 /// (flow_id, seq), read after the insert.
-const HOLDERS_SQL: &str = "SELECT i1.event_id, i1.body, i1.position, i2.event_id
+const HOLDERS_SQL: &str = "SELECT i1.event_id, i1.body, i1.position, i2.event_id, i1.body_sha256
      FROM unnest($1::text[], $2::text[], $3::bigint[]) WITH ORDINALITY AS t(e, f, s, n)
      LEFT JOIN inbox i1 ON i1.event_id = t.e
      LEFT JOIN inbox i2 ON i2.flow_id = t.f AND i2.seq = t.s
@@ -1769,8 +1837,10 @@ async fn insert_all(
         let seq_holder: Option<String> = row.get(3);
         let answer = match id_holder {
             Some(holder) if existed_at(&holder, k) => {
-                let body: String = row.get(1);
-                if body == bodies[k] {
+                let Some(stored) = StoredBody::from_columns(row.get(1), row.get(4)) else {
+                    return RECEIVE_FAST.undo(tx, inconsistent_insert()).await;
+                };
+                if stored.is(&bodies[k]) {
                     Received { outcome: ReceiveOutcome::Duplicate, position: unsigned(row.get(2)) }
                 } else {
                     Received { outcome: ReceiveOutcome::IdConflict, position: 0 }
@@ -1795,12 +1865,19 @@ fn inconsistent_insert() -> StoreError {
 }
 
 /// What the stored rows (read right after an insert that stored nothing) say about `event`.
+/// A compacted row is compared by the digest of the body.
 fn stored_answer(event: &Event, body: &str, read: &Row) -> Result<Received> {
-    let stored_body: Option<String> = read.get(0);
-    let position: Option<i64> = read.get(1);
-    let holder: Option<String> = read.get(2);
-    match (stored_body, holder) {
-        (Some(stored), _) if stored == body => {
+    let stored = StoredBody::from_columns(read.get(0), read.get(1));
+    let position: Option<i64> = read.get(2);
+    let holder: Option<String> = read.get(3);
+    if position.is_some() && stored.is_none() {
+        return Err(StoreError::Inconsistent(format!(
+            "inbox {}: no body and no digest of one",
+            event.event_id
+        )));
+    }
+    match (stored, holder) {
+        (Some(stored), _) if stored.is(body) => {
             Ok(Received { outcome: ReceiveOutcome::Duplicate, position: position.map_or(0, unsigned) })
         }
         (Some(_), _) => Ok(Received { outcome: ReceiveOutcome::IdConflict, position: 0 }),
@@ -1871,11 +1948,13 @@ async fn insert_pending(
 /// position), another body (`IdConflict`), another id at its (flow_id, seq)
 /// (`SequenceConflict`), or nothing.
 async fn stored_outcome(tx: &Transaction<'_>, event: &Event, body: &str) -> Result<Option<Received>> {
-    let stmt = tx.prepare_cached("SELECT body, position FROM inbox WHERE event_id = $1").await?;
+    let stmt = tx.prepare_cached("SELECT body, body_sha256, position FROM inbox WHERE event_id = $1").await?;
     if let Some(row) = tx.query_opt(&stmt, &[&event.event_id]).await? {
-        let stored: String = row.get(0);
-        return Ok(Some(if stored == body {
-            Received { outcome: ReceiveOutcome::Duplicate, position: unsigned(row.get(1)) }
+        let stored = StoredBody::from_columns(row.get(0), row.get(1)).ok_or_else(|| {
+            StoreError::Inconsistent(format!("inbox {}: no body and no digest of one", event.event_id))
+        })?;
+        return Ok(Some(if stored.is(body) {
+            Received { outcome: ReceiveOutcome::Duplicate, position: unsigned(row.get(2)) }
         } else {
             Received { outcome: ReceiveOutcome::IdConflict, position: 0 }
         }));

@@ -350,8 +350,13 @@ async fn apply_all_isolates_flows_and_failures() {
             }
         }
         receive(&store, reference("C", 1)).await;
-        let edit = "UPDATE inbox SET body = 'garbage' WHERE event_id = 'C1'";
-        store.exec(edit, edit).await;
+        store
+            .exec(
+                "UPDATE inbox_body SET body = 'garbage'
+                 WHERE position = (SELECT rowid FROM inbox WHERE event_id = 'C1')",
+                "UPDATE inbox SET body = 'garbage' WHERE event_id = 'C1'",
+            )
+            .await;
         let opts = ApplyOptions { max_batch: 2, ..ApplyOptions::default() };
         let results = apply::apply_all(&store, 1000, opts).await.unwrap();
         let ids: Vec<&str> = results.iter().map(|r| r.flow_id.as_str()).collect();

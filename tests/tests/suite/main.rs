@@ -19,6 +19,7 @@ mod producer;
 mod relay;
 mod relay_instances;
 mod relay_liveness;
+mod retention_consumer;
 mod retention_producer;
 mod rolling_upgrade;
 mod scenarios;
