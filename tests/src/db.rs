@@ -448,12 +448,44 @@ pub struct OutboxRow {
     pub body: String,
     /// Retention compacted it: the body is gone, its digest kept.
     pub compacted: bool,
+    /// A compacted row's SHA-256 digest of its canonical body (lower-case hex); `None` while
+    /// the body is stored.
+    pub body_sha256: Option<String>,
     /// Whether the consumer accepted it (the relay's mark).
     pub accepted: bool,
     /// How many times the relay sent it.
     pub attempts: u64,
     /// The answer to its last sending (`ACCEPTED`, `ID_CONFLICT`, `NO_ANSWER`, …), if sent.
     pub last_outcome: Option<String>,
+}
+
+/// The SHA-256 digest of `body` in lower-case hex: what a store keeps of a compacted body.
+pub fn sha256_hex(body: &str) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(body.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl OutboxRow {
+    /// The body's digest: the one kept for a compacted row, else computed from the body.
+    pub fn digest(&self) -> String {
+        self.body_sha256.clone().unwrap_or_else(|| sha256_hex(&self.body))
+    }
+
+    /// Whether the row holds exactly `body` (by its digest once compacted).
+    pub fn holds(&self, body: &str) -> bool {
+        match &self.body_sha256 {
+            Some(d) if self.body.is_empty() => *d == sha256_hex(body),
+            _ => self.body == body,
+        }
+    }
+
+    /// The body for a message, or the digest a compacted row keeps.
+    pub fn shown(&self) -> String {
+        match &self.body_sha256 {
+            Some(d) if self.body.is_empty() => format!("<compacted, sha256 {d}>"),
+            _ => self.body.clone(),
+        }
+    }
 }
 
 /// A consumer `inbox` row.
@@ -476,6 +508,29 @@ pub struct InboxRow {
     /// A compacted row's SHA-256 digest of its canonical body (lower-case hex); `None` while
     /// the body is stored.
     pub body_sha256: Option<String>,
+}
+
+impl InboxRow {
+    /// The body's digest: the one kept for a compacted row, else computed from the body.
+    pub fn digest(&self) -> String {
+        self.body_sha256.clone().unwrap_or_else(|| sha256_hex(&self.body))
+    }
+
+    /// Whether the row holds exactly `body` (by its digest once compacted).
+    pub fn holds(&self, body: &str) -> bool {
+        match &self.body_sha256 {
+            Some(d) if self.body.is_empty() => *d == sha256_hex(body),
+            _ => self.body == body,
+        }
+    }
+
+    /// The body for a message, or the digest a compacted row keeps.
+    pub fn shown(&self) -> String {
+        match &self.body_sha256 {
+            Some(d) if self.body.is_empty() => format!("<compacted, sha256 {d}>"),
+            _ => self.body.clone(),
+        }
+    }
 }
 
 /// A consumer `effect` row.
@@ -524,11 +579,13 @@ pub fn read_outbox(s: &Session) -> Result<Vec<OutboxRow>, String> {
     // row has none.
     let sql = match s {
         Session::Sqlite(_) => {
-            "SELECT o.event_id, o.flow_id, o.seq, o.kind, b.body, o.accepted, o.attempts, o.last_outcome
+            "SELECT o.event_id, o.flow_id, o.seq, o.kind, b.body, o.accepted, o.attempts, o.last_outcome,
+                    lower(hex(o.body_sha256))
              FROM outbox o LEFT JOIN outbox_body b ON b.id = o.id ORDER BY o.flow_id, o.seq"
         }
         Session::Postgres(_) => {
-            "SELECT event_id, flow_id, seq, kind, body, accepted, attempts, last_outcome
+            "SELECT event_id, flow_id, seq, kind, body, accepted, attempts, last_outcome,
+                    encode(body_sha256, 'hex')
              FROM outbox ORDER BY flow_id, seq"
         }
     };
@@ -546,6 +603,7 @@ pub fn read_outbox(s: &Session) -> Result<Vec<OutboxRow>, String> {
                 accepted: r.int(5)? != 0,
                 attempts: r.uint(6)?,
                 last_outcome: r.opt_text(7)?,
+                body_sha256: r.opt_text(8)?.filter(|d| !d.is_empty()),
             })
         })
         .collect::<Result<_, String>>()

@@ -46,6 +46,10 @@ struct Args {
     /// run when `ORDERED_EVENTS_REQUIRE_PG=1`.
     #[arg(long, value_name = "BACKEND")]
     backend: Option<Backend>,
+    /// `--retention` of the producers and consumers (the profiles use 0: rows are compacted
+    /// as soon as they are finished, under the kills); `off` keeps every body.
+    #[arg(long, value_name = "DURATION")]
+    retention: Option<String>,
 }
 
 fn main() -> ExitCode {
@@ -55,14 +59,19 @@ fn main() -> ExitCode {
         eprintln!("chaos: error: unknown profile {:?}", args.profile);
         return ExitCode::from(2);
     };
+    if let Some(r) = &args.retention {
+        cfg.retention = Some(r.clone());
+    }
     if let Some(m) = args.minutes {
         let d = std::time::Duration::from_secs(m * 60);
         cfg.duration = Some(d);
         cfg.budget = d + std::time::Duration::from_secs(60);
     }
     println!(
-        "chaos: profile {} seed {seed} (replay: chaos --profile {} --seed {seed})",
-        cfg.profile, cfg.profile
+        "chaos: profile {} seed {seed} retention {} (replay: chaos --profile {} --seed {seed})",
+        cfg.profile,
+        cfg.retention.as_deref().unwrap_or("default"),
+        cfg.profile
     );
     let (temp, dir) = match &args.dir {
         Some(d) => {

@@ -34,6 +34,8 @@ pub struct ProcessOptions {
     pub auto_apply: bool,
     /// `relay run` flags after the subcommand.
     pub relay_args: Vec<String>,
+    /// `--retention` of producers and consumers (`None`: their default).
+    pub retention: Option<String>,
     /// How long a server may take to print its address.
     pub start_deadline: Duration,
     /// Producer instances, and consumer instances (the same number).
@@ -159,12 +161,13 @@ impl Cluster {
         let name = v.name();
         match v {
             Victim::Producer(i) => {
-                let args = vec![
+                let mut args = vec![
                     "--db".into(),
                     self.files.producer_db.arg(),
                     "--listen".into(),
                     "127.0.0.1:0".into(),
                 ];
+                args.extend(self.retention_args());
                 let log = self.dir.join(format!("{name}.{generation}.log"));
                 let p = ServerProcess::try_start("producer", &args, &[], log, self.opts.start_deadline)?;
                 self.producer_eps[usize::from(i)].send_replace(Endpoint { generation, url: p.url() });
@@ -210,6 +213,11 @@ impl Cluster {
         Ok(())
     }
 
+    /// `--retention R` when the run sets one.
+    fn retention_args(&self) -> Vec<String> {
+        self.opts.retention.iter().flat_map(|r| ["--retention".to_owned(), r.clone()]).collect()
+    }
+
     /// The consumer relay `r` sends to.
     fn relay_target(&self, r: usize) -> usize {
         r % self.consumers.len()
@@ -232,6 +240,7 @@ impl Cluster {
         if self.opts.auto_apply {
             args.push("--auto-apply".into());
         }
+        args.extend(self.retention_args());
         let log = self.dir.join(format!("{name}.{generation}{suffix}.log"));
         ServerProcess::try_start("consumer", &args, &[], log, self.opts.start_deadline)
     }

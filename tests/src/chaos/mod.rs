@@ -68,6 +68,10 @@ pub struct ChaosConfig {
     pub auto_apply: bool,
     /// `relay run` flags.
     pub relay_args: Vec<String>,
+    /// `--retention` of the producers and consumers (`None`: their default, 7 days, which
+    /// never compacts within a run). The profiles compact at once (`0`), so every kill may
+    /// strike a compaction pass and the checker reads tombstones.
+    pub retention: Option<String>,
     /// Committed-but-unapplied events beyond which no new flow starts.
     pub max_backlog: u64,
     /// Percent of steps preceded by a decoy request.
@@ -120,6 +124,7 @@ impl ChaosConfig {
             },
             auto_apply: true,
             relay_args: ["--max-backoff-ms", "1000", "--poll-ms", "20"].map(String::from).to_vec(),
+            retention: Some("0".into()),
             max_backlog: 1_500,
             decoy_percent: 15,
             schema2_percent: 20,
@@ -344,6 +349,7 @@ pub fn run(cfg: &ChaosConfig, dir: &Path, files: Files) -> ChaosReport {
     let opts = ProcessOptions {
         auto_apply: cfg.auto_apply,
         relay_args: cfg.relay_args.clone(),
+        retention: cfg.retention.clone(),
         start_deadline: cfg.hang,
         instances: cfg.quota.instances,
         relays: cfg.quota.relays,
