@@ -4,8 +4,6 @@
 //! so Apply, ApplyAll, auto-apply and ListStuck never meet a tombstone; a failing pass is
 //! logged and the loop goes on, never stopping the server.
 
-use std::time::Duration;
-
 use proto::crash::CrashSwitch;
 use runtime::retention::Retention;
 
@@ -55,7 +53,9 @@ pub fn spawn(store: ConsumerStore, retention: Retention, crash: CrashSwitch) {
         "compaction of applied inbox rows older than the retention"
     );
     tokio::spawn(async move {
-        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + short(every), every);
+        // The first pass at once, so a restarted server catches up before anything else
+        // (a consumer restarted often, as under chaos, would otherwise never compact).
+        let mut tick = tokio::time::interval(every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
@@ -64,9 +64,4 @@ pub fn spawn(store: ConsumerStore, retention: Retention, crash: CrashSwitch) {
             }
         }
     });
-}
-
-/// The first pass comes after at most a second, so a restarted server catches up at once.
-fn short(every: Duration) -> Duration {
-    every.min(Duration::from_secs(1))
 }

@@ -125,6 +125,9 @@ pub struct Effective {
     pub server_version: String,
     /// Whether the session is encrypted, from `pg_stat_ssl`: `off`, or the TLS version.
     pub tls: String,
+    /// The server's `autovacuum`: without it, the space of updated and compacted rows is
+    /// reused only after someone runs `VACUUM`.
+    pub autovacuum: String,
 }
 
 /// An opened PostgreSQL store: a pool whose sessions all run with `synchronous_commit=on`
@@ -262,6 +265,15 @@ pub async fn open(url: &PgUrl, kind: &PgKind, mode: OpenMode, pool_size: usize) 
             "the server runs with fsync off: a crash of the server's host can lose committed events"
         );
     }
+    if effective.autovacuum != "on" {
+        tracing::warn!(
+            db = %target,
+            schema = kind.schema,
+            "the server runs with autovacuum off: the space of updated rows and of compacted \
+             bodies (retention) is reused only after a VACUUM; run VACUUM on this schema's tables \
+             regularly, or turn autovacuum on"
+        );
+    }
     tracing::info!(
         db = %target,
         backend = "postgres",
@@ -271,6 +283,7 @@ pub async fn open(url: &PgUrl, kind: &PgKind, mode: OpenMode, pool_size: usize) 
         full_page_writes = %effective.full_page_writes,
         server_version = %effective.server_version,
         tls = %effective.tls,
+        autovacuum = %effective.autovacuum,
         sslmode = url.tls().name(),
         "{} database open",
         kind.name
@@ -327,7 +340,8 @@ pub async fn effective(client: &tokio_postgres::Client) -> Result<Effective, tok
             "SELECT current_setting('synchronous_commit'), current_setting('fsync'),
                     current_setting('full_page_writes'), current_setting('server_version'),
                     coalesce((SELECT CASE WHEN ssl THEN version ELSE 'off' END
-                              FROM pg_stat_ssl WHERE pid = pg_backend_pid()), 'unknown')",
+                              FROM pg_stat_ssl WHERE pid = pg_backend_pid()), 'unknown'),
+                    current_setting('autovacuum')",
             &[],
         )
         .await?;
@@ -337,6 +351,7 @@ pub async fn effective(client: &tokio_postgres::Client) -> Result<Effective, tok
         full_page_writes: row.get(2),
         server_version: row.get(3),
         tls: row.get(4),
+        autovacuum: row.get(5),
     })
 }
 

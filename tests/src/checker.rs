@@ -642,6 +642,10 @@ pub struct Observed {
     pub out_of_order_arrivals: u64,
     /// Flows with at least one such arrival.
     pub out_of_order_flows: u64,
+    /// Outbox rows compacted to tombstones (retention).
+    pub compacted_outbox: u64,
+    /// Inbox rows compacted to tombstones (retention).
+    pub compacted_inbox: u64,
 }
 
 /// Counts redeliveries (outbox `attempts` > 1) and out-of-order arrivals (inbox rowid order
@@ -667,6 +671,8 @@ pub fn observe(snap: &Snapshot) -> Observed {
         *seen = (*seen).max(row.seq);
     }
     o.out_of_order_flows = flows.len() as u64;
+    o.compacted_outbox = snap.outbox.iter().filter(|r| r.body_sha256.is_some()).count() as u64;
+    o.compacted_inbox = snap.inbox.iter().filter(|r| r.body_sha256.is_some()).count() as u64;
     o
 }
 

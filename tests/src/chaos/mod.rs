@@ -210,6 +210,8 @@ pub struct ChaosReport {
     pub profile: &'static str,
     /// The run's seed.
     pub seed: u64,
+    /// `--retention` of producers and consumers (`None`: their default).
+    pub retention: Option<String>,
     /// Wall time of the whole run.
     pub seconds: f64,
     /// Wall time of the load and faults.
@@ -307,6 +309,12 @@ impl ChaosReport {
                 self.observed.out_of_order_flows,
                 self.injected,
                 self.forged
+            ),
+            format!(
+                "chaos: tombstones in the final files (retention {}): {} outbox rows, {} inbox rows",
+                self.retention.as_deref().unwrap_or("default"),
+                self.observed.compacted_outbox,
+                self.observed.compacted_inbox
             ),
             format!(
                 "chaos: relay answers {:?} ({} lines cut by a kill)",
@@ -657,6 +665,7 @@ fn report(
     let mut r = ChaosReport {
         profile: cfg.profile,
         seed: cfg.seed,
+        retention: cfg.retention.clone(),
         seconds: started.elapsed().as_secs_f64(),
         load_seconds,
         drain_seconds,
