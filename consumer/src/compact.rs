@@ -15,10 +15,11 @@ pub async fn compact_once(
     store: &ConsumerStore,
     retention: Retention,
     crash: CrashSwitch,
+    keep_free_pages: u64,
 ) -> Result<CompactReport> {
     let Some(cutoff_us) = retention.cutoff_us(runtime::now_us()) else { return Ok(CompactReport::default()) };
     let started = std::time::Instant::now();
-    let report = store.compact(cutoff_us, crash).await?;
+    let report = store.compact(cutoff_us, crash, keep_free_pages).await?;
     crate::metrics::COMPACTED.add(0, report.compacted);
     crate::metrics::COMPACTED_BYTES.add(0, report.body_bytes);
     if report.compacted > 0 || report.pages_freed > 0 {
@@ -59,7 +60,8 @@ pub fn spawn(store: ConsumerStore, retention: Retention, crash: CrashSwitch) {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            if let Err(e) = compact_once(&store, retention, crash).await {
+            if let Err(e) = compact_once(&store, retention, crash, runtime::retention::KEEP_FREE_PAGES).await
+            {
                 tracing::warn!(error = %e, "compaction pass failed; nothing is lost, the next pass tries again");
             }
         }

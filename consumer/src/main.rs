@@ -100,7 +100,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let crash = proto::crash::CrashSwitch::from_env()?;
     if args.compact_once {
         let store = consumer::store::ConsumerStore::open(&args.db).await?;
-        let report = consumer::compact::compact_once(&store, args.retention.retention, crash).await?;
+        let report = consumer::compact::compact_once(&store, args.retention.retention, crash, 0).await?;
         println!("{}", report.json());
         return Ok(());
     }

@@ -9,10 +9,16 @@ use runtime::retention::{COMPACT_BATCH, Retention};
 
 use crate::store::{CompactReport, ProducerStore, StoreError};
 
-/// One full pass at `retention` (`None` when it is `off`: nothing is compacted).
-pub async fn pass(store: &ProducerStore, retention: Retention) -> Result<Option<CompactReport>, StoreError> {
+/// One full pass at `retention` (`None` when it is `off`: nothing is compacted), leaving
+/// `keep_free_pages` free pages in a SQLite file for new rows (see
+/// [`runtime::retention::KEEP_FREE_PAGES`]; 0 gives every free page back).
+pub async fn pass(
+    store: &ProducerStore,
+    retention: Retention,
+    keep_free_pages: u64,
+) -> Result<Option<CompactReport>, StoreError> {
     let Some(cutoff_us) = retention.cutoff_us(runtime::now_us()) else { return Ok(None) };
-    store.compact(cutoff_us, COMPACT_BATCH).await.map(Some)
+    store.compact(cutoff_us, COMPACT_BATCH, keep_free_pages).await.map(Some)
 }
 
 /// Logs a pass: info when it compacted anything (rows, body bytes, and on SQLite the pages
@@ -42,7 +48,7 @@ pub fn spawn(store: ProducerStore, retention: Retention) -> Option<tokio::task::
     Some(tokio::spawn(async move {
         loop {
             let started = std::time::Instant::now();
-            match pass(&store, retention).await {
+            match pass(&store, retention, runtime::retention::KEEP_FREE_PAGES).await {
                 Ok(Some(report)) => log_pass(&report, started.elapsed()),
                 Ok(None) => return,
                 Err(e) => tracing::warn!(error = %e, "compaction pass failed; the next pass tries again"),

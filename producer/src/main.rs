@@ -82,7 +82,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     .await?;
     if args.compact_once {
         let started = std::time::Instant::now();
-        let report = producer::compaction::pass(service.store(), retention).await?.unwrap_or_default();
+        let report = producer::compaction::pass(service.store(), retention, 0).await?.unwrap_or_default();
         producer::compaction::log_pass(&report, started.elapsed());
         let mut line = serde_json::to_value(&report)?;
         line["retention"] = serde_json::Value::String(retention.to_string());

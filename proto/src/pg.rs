@@ -265,7 +265,8 @@ pub async fn open(url: &PgUrl, kind: &PgKind, mode: OpenMode, pool_size: usize) 
             "the server runs with fsync off: a crash of the server's host can lose committed events"
         );
     }
-    if effective.autovacuum != "on" {
+    // Said by the owner of the schema (the relay only reads and marks another's).
+    if mode == OpenMode::Create && effective.autovacuum != "on" {
         tracing::warn!(
             db = %target,
             schema = kind.schema,

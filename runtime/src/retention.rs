@@ -32,6 +32,23 @@ pub const DEFAULT_RETENTION: Retention = Retention::After(Duration::from_secs(7 
 /// The longest retention accepted: 100 years (beyond it, say `off`).
 const MAX_SECS: u64 = 100 * 365 * 24 * 3600;
 
+/// Free pages a background pass leaves in a SQLite file for new rows instead of giving them
+/// back (16 MiB of 4 KiB pages): at a steady load the next rows fill them anyway, and giving
+/// pages back only to grow the file again moves pages and holds the write lock for nothing
+/// (measured: at retention 0 it tripled the p99 commit→applied latency). `--compact-once`
+/// gives back every free page.
+pub const KEEP_FREE_PAGES: u64 = 4096;
+
+/// Pages one `PRAGMA incremental_vacuum` transaction gives back at most (1 MiB of 4 KiB
+/// pages), so a writer waits for one short step, not for the whole give-back.
+pub const VACUUM_STEP_PAGES: u64 = 256;
+
+/// The pages to give back in the next step: the free pages beyond `keep`, at most one step
+/// (0: stop).
+pub fn vacuum_step(free_pages: u64, keep: u64) -> u64 {
+    free_pages.saturating_sub(keep).min(VACUUM_STEP_PAGES)
+}
+
 /// The most rows one compaction transaction rewrites, so a pass never holds the write lock
 /// for long: the pipeline's writers wait at most one batch.
 pub const COMPACT_BATCH: usize = 500;
@@ -164,6 +181,15 @@ mod tests {
         let d = body_digest(b"abc");
         assert_eq!(d[..4], [0xba, 0x78, 0x16, 0xbf]);
         assert_ne!(body_digest(b"abd"), d);
+    }
+
+    #[test]
+    fn vacuum_steps_keep_the_reserve() {
+        assert_eq!(vacuum_step(100, 4096), 0);
+        assert_eq!(vacuum_step(5000, 4096), 256);
+        assert_eq!(vacuum_step(4200, 4096), 104);
+        assert_eq!(vacuum_step(300, 0), 256);
+        assert_eq!(vacuum_step(0, 0), 0);
     }
 
     #[test]

@@ -597,9 +597,14 @@ impl ConsumerStore {
     /// pages are then given back (`incremental_vacuum`, in bounded steps) when the file
     /// allows it. Several instances on one PostgreSQL database may run passes at once: each
     /// row is compacted (and counted) by exactly one of them.
-    pub async fn compact(&self, cutoff_us: i64, crash: CrashSwitch) -> Result<CompactReport> {
+    pub async fn compact(
+        &self,
+        cutoff_us: i64,
+        crash: CrashSwitch,
+        keep_free_pages: u64,
+    ) -> Result<CompactReport> {
         match self {
-            ConsumerStore::Sqlite(s) => s.compact(cutoff_us, crash).await,
+            ConsumerStore::Sqlite(s) => s.compact(cutoff_us, crash, keep_free_pages).await,
             ConsumerStore::Postgres(p) => p.compact(cutoff_us, crash).await,
         }
     }

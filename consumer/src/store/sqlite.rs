@@ -357,9 +357,14 @@ impl SqliteStore {
         })
     }
 
-    pub(crate) async fn compact(&self, cutoff_us: i64, crash: CrashSwitch) -> Result<CompactReport> {
+    pub(crate) async fn compact(
+        &self,
+        cutoff_us: i64,
+        crash: CrashSwitch,
+        keep_free_pages: u64,
+    ) -> Result<CompactReport> {
         let conn = Arc::clone(&self.conn);
-        tokio::task::spawn_blocking(move || compact_pass(&conn, cutoff_us, crash))
+        tokio::task::spawn_blocking(move || compact_pass(&conn, cutoff_us, crash, keep_free_pages))
             .await
             .map_err(|e| StoreError::Failed(format!("compaction task failed: {e}")))?
     }
@@ -485,9 +490,6 @@ fn receive_in_tx(
 /// rows are passed over, so however many of them wait, a transaction stays short.
 const COMPACT_EXAMINE: usize = 4 * runtime::retention::COMPACT_BATCH;
 
-/// Pages one `incremental_vacuum` transaction gives back, at most.
-const VACUUM_STEP: u32 = 2000;
-
 /// One compaction pass on consumer.db (see [`ConsumerStore::compact`](super::ConsumerStore::compact)):
 /// walks `inbox_body` (the rows that still have a body) in position order, each transaction
 /// under the connection's lock like every other writer, looking at up to [`COMPACT_EXAMINE`]
@@ -496,7 +498,12 @@ const VACUUM_STEP: u32 = 2000;
 /// (every later position was received later still, so none of them can have been applied
 /// before it). Then, when the file was created with `auto_vacuum=INCREMENTAL`, the free pages
 /// are given back in steps of [`VACUUM_STEP`]. Blocking.
-fn compact_pass(shared: &Mutex<Connection>, cutoff_us: i64, crash: CrashSwitch) -> Result<CompactReport> {
+fn compact_pass(
+    shared: &Mutex<Connection>,
+    cutoff_us: i64,
+    crash: CrashSwitch,
+    keep_free_pages: u64,
+) -> Result<CompactReport> {
     let mut report = CompactReport::default();
     let incremental = {
         let conn = lock(shared);
@@ -565,11 +572,12 @@ fn compact_pass(shared: &Mutex<Connection>, cutoff_us: i64, crash: CrashSwitch) 
         loop {
             let mut guard = lock(shared);
             let free: u64 = guard.query_row("PRAGMA freelist_count", [], |r| r.get(0))?;
-            if free == 0 {
+            let step = runtime::retention::vacuum_step(free, keep_free_pages);
+            if step == 0 {
                 break;
             }
             let tx = db::begin_immediate(&mut guard)?;
-            tx.execute_batch(&format!("PRAGMA incremental_vacuum({VACUUM_STEP})"))?;
+            tx.execute_batch(&format!("PRAGMA incremental_vacuum({step})"))?;
             tx.commit()?;
             let left: u64 = guard.query_row("PRAGMA freelist_count", [], |r| r.get(0))?;
             report.pages_freed += free.saturating_sub(left);
@@ -1541,7 +1549,7 @@ mod tests {
         assert_eq!(step(&mut conn, "A"), Some(StepOutcome::Applied));
         // Only the applied A1 is compacted; the pending A2 keeps its body.
         let shared = Mutex::new(conn);
-        let report = compact_pass(&shared, i64::MAX, CrashSwitch::default()).unwrap();
+        let report = compact_pass(&shared, i64::MAX, CrashSwitch::default(), 0).unwrap();
         assert_eq!((report.compacted, report.batches), (1, 1));
         assert_eq!(report.body_bytes, reference("A", 1).canonical_body().len() as u64);
         let mut conn = shared.into_inner().unwrap();
@@ -1560,7 +1568,7 @@ mod tests {
         // Apply goes on; a pass with a cutoff before the apply compacts nothing.
         assert_eq!(step(&mut conn, "A"), Some(StepOutcome::Applied));
         let shared = Mutex::new(conn);
-        assert_eq!(compact_pass(&shared, 0, CrashSwitch::default()).unwrap().compacted, 0);
+        assert_eq!(compact_pass(&shared, 0, CrashSwitch::default(), 0).unwrap().compacted, 0);
         let conn = shared.into_inner().unwrap();
         // A new file gets the same definitions.
         let fresh = open(&dir.path().join("new.db")).unwrap();

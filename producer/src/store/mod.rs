@@ -689,9 +689,14 @@ impl ProducerStore {
     /// Crash points `producer.compact.after_batch` (a batch rewritten, not committed) and
     /// `producer.compact.after_commit`. On SQLite the freed pages are then given back
     /// (`incremental_vacuum`, in bounded steps) when the file allows it.
-    pub async fn compact(&self, cutoff_us: i64, batch: usize) -> Result<CompactReport, StoreError> {
+    pub async fn compact(
+        &self,
+        cutoff_us: i64,
+        batch: usize,
+        keep_free_pages: u64,
+    ) -> Result<CompactReport, StoreError> {
         match self {
-            ProducerStore::Sqlite(s) => s.compact(cutoff_us, batch.max(1)).await,
+            ProducerStore::Sqlite(s) => s.compact(cutoff_us, batch.max(1), keep_free_pages).await,
             ProducerStore::Postgres(s) => s.compact(cutoff_us, batch.max(1)).await,
         }
     }

@@ -338,7 +338,12 @@ impl SqliteStore {
 }
 
 impl SqliteStore {
-    pub(super) async fn compact(&self, cutoff_us: i64, batch: usize) -> Result<CompactReport, StoreError> {
+    pub(super) async fn compact(
+        &self,
+        cutoff_us: i64,
+        batch: usize,
+        keep_free_pages: u64,
+    ) -> Result<CompactReport, StoreError> {
         let size = |conn: &mut Connection, _: CrashSwitch| -> Result<Option<u64>, StoreError> {
             Ok(Some(database_bytes(conn)?))
         };
@@ -369,8 +374,8 @@ impl SqliteStore {
             let mut freed = 0;
             loop {
                 let step = self
-                    .blocking("give pages back", |conn: &mut Connection, _: CrashSwitch| {
-                        give_back_pages(conn)
+                    .blocking("give pages back", move |conn: &mut Connection, _: CrashSwitch| {
+                        give_back_pages(conn, keep_free_pages)
                     })
                     .await?;
                 freed += step;
@@ -392,10 +397,6 @@ impl SqliteStore {
         Ok(report)
     }
 }
-
-/// Pages `PRAGMA incremental_vacuum` gives back per transaction (8 MiB of 4 KiB pages), so the
-/// writer waits at most one step.
-const VACUUM_STEP_PAGES: u32 = 2000;
 
 /// The database's size: its pages, as the file holds them once the WAL is checkpointed (the
 /// file itself may lag behind until the next checkpoint).
@@ -455,16 +456,17 @@ fn compact_batch(
     Ok(Some(CompactedBatch { rows: rows.len() as u64, body_bytes, last_id }))
 }
 
-/// One bounded `incremental_vacuum` step in its own write transaction; returns the pages given
-/// back (0: the free list is empty).
-fn give_back_pages(conn: &mut Connection) -> Result<u64, StoreError> {
+/// One bounded `incremental_vacuum` step in its own write transaction, leaving `keep` free
+/// pages for new rows; returns the pages given back (0: nothing beyond the reserve).
+fn give_back_pages(conn: &mut Connection, keep: u64) -> Result<u64, StoreError> {
     let tx = db::begin_immediate(conn)?;
     let free = |tx: &Transaction<'_>| tx.query_row("PRAGMA freelist_count", [], |r| r.get::<_, u64>(0));
     let before = free(&tx)?;
-    if before == 0 {
+    let step = runtime::retention::vacuum_step(before, keep);
+    if step == 0 {
         return Ok(0);
     }
-    tx.execute_batch(&format!("PRAGMA incremental_vacuum({VACUUM_STEP_PAGES})"))?;
+    tx.execute_batch(&format!("PRAGMA incremental_vacuum({step})"))?;
     let after = free(&tx)?;
     tx.commit()?;
     Ok(before.saturating_sub(after))

@@ -624,8 +624,8 @@ async fn compaction_keeps_answers_exact_and_never_resends_a_tombstone() {
         ];
         store.record_deliveries(answers, Some("c1".into())).await.unwrap();
         // A cutoff before the rows were accepted compacts nothing.
-        assert_eq!(store.compact(0, 2).await.unwrap().compacted, 0);
-        let report = store.compact(runtime::now_us(), 2).await.unwrap();
+        assert_eq!(store.compact(0, 2, 0).await.unwrap().compacted, 0);
+        let report = store.compact(runtime::now_us(), 2, 0).await.unwrap();
         assert_eq!((report.compacted, report.batches), (3, 2), "{report:?}");
         assert_eq!(report.body_bytes, bodies.iter().map(|b| b.len() as u64).sum::<u64>());
         let (_, rows) = store.flow("A".into()).await.unwrap();
@@ -635,7 +635,7 @@ async fn compaction_keeps_answers_exact_and_never_resends_a_tombstone() {
         }
         let (_, b) = store.flow("B".into()).await.unwrap();
         assert!(!b[0].compacted && !b[0].body.is_empty(), "an unaccepted row is never compacted");
-        assert_eq!(store.compact(runtime::now_us(), 2).await.unwrap().compacted, 0);
+        assert_eq!(store.compact(runtime::now_us(), 2, 0).await.unwrap().compacted, 0);
         // EXISTING rebuilds the very body; CONFLICT shows the tombstone.
         let retry = store.advance(cmd("A2", 1, "confirmed", 1, 3)).await.unwrap();
         assert_eq!(retry.outcome, AdvanceOutcome::Existing);
@@ -683,7 +683,7 @@ async fn the_upgrade_to_version_3_keeps_every_body_and_compacts_afterwards() {
     let (_, rows) = store.flow("A".into()).await.unwrap();
     assert!(!rows[0].compacted && rows[0].body.contains("\"A1\""), "{rows:?}");
     let body = rows[0].body.clone();
-    assert_eq!(store.compact(runtime::now_us(), 10).await.unwrap().compacted, 1);
+    assert_eq!(store.compact(runtime::now_us(), 10, 0).await.unwrap().compacted, 1);
     let (_, rows) = store.flow("A".into()).await.unwrap();
     assert_eq!(rows[0].body_sha256, Some(runtime::retention::body_digest(body.as_bytes())));
     assert_eq!(
@@ -708,7 +708,7 @@ async fn a_sqlite_pass_gives_the_freed_pages_back() {
     let answers =
         ids.iter().map(|f| accepted(&format!("{f}-1"), DeliveryAnswer::Accepted, 0)).collect::<Vec<_>>();
     store.record_deliveries(answers, None).await.unwrap();
-    let report = store.compact(runtime::now_us(), runtime::retention::COMPACT_BATCH).await.unwrap();
+    let report = store.compact(runtime::now_us(), runtime::retention::COMPACT_BATCH, 0).await.unwrap();
     assert_eq!((report.compacted, report.batches), (3000, 6), "{report:?}");
     assert!(report.pages_freed.unwrap() > 20, "{report:?}");
     assert!(report.file_bytes_after.unwrap() < report.file_bytes_before.unwrap(), "{report:?}");
