@@ -99,11 +99,16 @@ pub fn sample_marks(
 ) -> anyhow::Result<Vec<Sizes>> {
     let mut out = Vec::new();
     let mut next = 0;
-    while next < marks.len() && !stop.load(Ordering::Relaxed) {
+    while next < marks.len() {
+        // One more reading after the stop: the last mark is usually reached just before it.
+        let stopping = stop.load(Ordering::Relaxed);
         let now = read(&databases, "")?;
         while next < marks.len() && now.applied >= marks[next] {
             out.push(Sizes { at: format!("applied >= {}", marks[next]), ..now.clone() });
             next += 1;
+        }
+        if stopping {
+            break;
         }
         // A reading takes a moment; at tens of thousands of events per second a tenth of a
         // second is a few thousand events past the mark, which the reading records.
