@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::backend::Target;
 use crate::canon;
-use crate::db::{self, EffectRow, InboxRow, OutboxRow, ProjectionRow, Store};
+use crate::db::{self, Compactable, EffectRow, InboxRow, OutboxRow, ProjectionRow, Store};
 
 /// One property the checker judges.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]

@@ -465,26 +465,41 @@ pub fn sha256_hex(body: &str) -> String {
     sha2::Sha256::digest(body.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
 }
 
-impl OutboxRow {
+/// A row whose body retention may have compacted to its digest (outbox and inbox rows).
+pub trait Compactable {
+    /// The body as stored (empty once compacted).
+    fn stored_body(&self) -> &str;
+    /// The digest kept for a compacted row (lower-case hex), `None` while the body is stored.
+    fn kept_digest(&self) -> Option<&str>;
+
     /// The body's digest: the one kept for a compacted row, else computed from the body.
-    pub fn digest(&self) -> String {
-        self.body_sha256.clone().unwrap_or_else(|| sha256_hex(&self.body))
+    fn digest(&self) -> String {
+        self.kept_digest().map_or_else(|| sha256_hex(self.stored_body()), str::to_owned)
     }
 
     /// Whether the row holds exactly `body` (by its digest once compacted).
-    pub fn holds(&self, body: &str) -> bool {
-        match &self.body_sha256 {
-            Some(d) if self.body.is_empty() => *d == sha256_hex(body),
-            _ => self.body == body,
+    fn holds(&self, body: &str) -> bool {
+        match self.kept_digest() {
+            Some(d) if self.stored_body().is_empty() => d == sha256_hex(body),
+            _ => self.stored_body() == body,
         }
     }
 
     /// The body for a message, or the digest a compacted row keeps.
-    pub fn shown(&self) -> String {
-        match &self.body_sha256 {
-            Some(d) if self.body.is_empty() => format!("<compacted, sha256 {d}>"),
-            _ => self.body.clone(),
+    fn shown(&self) -> String {
+        match self.kept_digest() {
+            Some(d) if self.stored_body().is_empty() => format!("<compacted, sha256 {d}>"),
+            _ => self.stored_body().to_owned(),
         }
+    }
+}
+
+impl Compactable for OutboxRow {
+    fn stored_body(&self) -> &str {
+        &self.body
+    }
+    fn kept_digest(&self) -> Option<&str> {
+        self.body_sha256.as_deref()
     }
 }
 
@@ -510,26 +525,12 @@ pub struct InboxRow {
     pub body_sha256: Option<String>,
 }
 
-impl InboxRow {
-    /// The body's digest: the one kept for a compacted row, else computed from the body.
-    pub fn digest(&self) -> String {
-        self.body_sha256.clone().unwrap_or_else(|| sha256_hex(&self.body))
+impl Compactable for InboxRow {
+    fn stored_body(&self) -> &str {
+        &self.body
     }
-
-    /// Whether the row holds exactly `body` (by its digest once compacted).
-    pub fn holds(&self, body: &str) -> bool {
-        match &self.body_sha256 {
-            Some(d) if self.body.is_empty() => *d == sha256_hex(body),
-            _ => self.body == body,
-        }
-    }
-
-    /// The body for a message, or the digest a compacted row keeps.
-    pub fn shown(&self) -> String {
-        match &self.body_sha256 {
-            Some(d) if self.body.is_empty() => format!("<compacted, sha256 {d}>"),
-            _ => self.body.clone(),
-        }
+    fn kept_digest(&self) -> Option<&str> {
+        self.body_sha256.as_deref()
     }
 }
 
