@@ -7,7 +7,7 @@
 //! or a tombstone.
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use harness::db;
 use harness::proc::{START_DEADLINE, run_to_exit};
@@ -168,13 +168,14 @@ async fn the_background_pass_compacts_applied_rows() {
     );
     let answers = consumer.receive(reference_envelopes("A")).await;
     assert_eq!(outcomes(&answers), [ReceiveOutcome::Accepted; 3]);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let mut last = consumer.get_flow("A").await;
-    while !(last.inbox.len() == 3 && last.inbox.iter().all(|r| r.compacted)) {
-        assert!(Instant::now() < deadline, "not compacted within 30 s; last GetFlow: {last:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        last = consumer.get_flow("A").await;
-    }
+    let compacted = harness::background::poll_async(Duration::from_secs(30), async || {
+        let flow = consumer.get_flow("A").await;
+        (flow.inbox.len() == 3 && flow.inbox.iter().all(|r| r.compacted)).then_some(flow)
+    })
+    .await;
+    let Some(last) = compacted else {
+        panic!("not compacted within 30 s; last GetFlow: {:?}", consumer.get_flow("A").await)
+    };
     assert!(last.inbox.iter().all(|r| r.body.is_empty() && r.body_sha256.len() == 64), "{last:?}");
     assert_eq!(last.effects.len(), 3);
     let again = consumer.receive(reference_envelopes("A")).await;
@@ -395,14 +396,12 @@ fn storage_size(target: &Target, after_visits: Option<i64>) -> (u64, u64) {
                 println!("autovacuum is {autovacuum} on this server: VACUUM by hand (what it would run)");
                 pg.run(|c| c.batch_execute("VACUUM ordered_events_consumer.inbox").unwrap()).unwrap();
             } else if let Some(before) = after_visits {
-                let deadline = Instant::now() + Duration::from_secs(180);
-                while autovacuum_visits(target) <= before {
-                    if Instant::now() > deadline {
-                        println!("autovacuum did not visit the inbox within 3 minutes: VACUUM by hand");
-                        pg.run(|c| c.batch_execute("VACUUM ordered_events_consumer.inbox").unwrap()).unwrap();
-                        break;
-                    }
-                    std::thread::sleep(Duration::from_millis(500));
+                let visited = harness::background::poll(Duration::from_secs(180), || {
+                    (autovacuum_visits(target) > before).then_some(())
+                });
+                if visited.is_none() {
+                    println!("autovacuum did not visit the inbox within 3 minutes: VACUUM by hand");
+                    pg.run(|c| c.batch_execute("VACUUM ordered_events_consumer.inbox").unwrap()).unwrap();
                 }
             }
             let inbox = q("SELECT pg_total_relation_size('ordered_events_consumer.inbox')");
