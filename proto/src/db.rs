@@ -571,6 +571,31 @@ pub fn effective(conn: &Connection) -> rusqlite::Result<Effective> {
     Ok(Effective { journal_mode, synchronous, auto_vacuum })
 }
 
+/// The database's size in bytes as SQLite counts it (page count × page size): what the file
+/// holds once the WAL is checkpointed into it.
+pub fn database_bytes(conn: &Connection) -> rusqlite::Result<u64> {
+    let pages: u64 = conn.query_row("PRAGMA page_count", [], |r| r.get(0))?;
+    let page_size: u64 = conn.query_row("PRAGMA page_size", [], |r| r.get(0))?;
+    Ok(pages * page_size)
+}
+
+/// One bounded `PRAGMA incremental_vacuum` step in its own write transaction: `step` says how
+/// many of the free pages to give back to the file system (0: none). Returns the pages given
+/// back; 0 means the caller is done.
+pub fn give_back_free_pages(conn: &mut Connection, step: impl Fn(u64) -> u64) -> rusqlite::Result<u64> {
+    let tx = begin_immediate(conn)?;
+    let free = |tx: &Transaction<'_>| tx.query_row("PRAGMA freelist_count", [], |r| r.get::<_, u64>(0));
+    let before = free(&tx)?;
+    let pages = step(before);
+    if pages == 0 {
+        return Ok(0);
+    }
+    tx.execute_batch(&format!("PRAGMA incremental_vacuum({pages})"))?;
+    let after = free(&tx)?;
+    tx.commit()?;
+    Ok(before.saturating_sub(after))
+}
+
 /// True when the error means another connection holds the lock (retry later).
 pub fn is_busy(e: &rusqlite::Error) -> bool {
     matches!(

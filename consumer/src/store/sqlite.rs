@@ -507,7 +507,7 @@ fn compact_pass(
     let mut report = CompactReport::default();
     let incremental = {
         let conn = lock(shared);
-        report.size_before = Some(file_bytes(&conn)?);
+        report.size_before = Some(db::database_bytes(&conn)?);
         conn.query_row("PRAGMA auto_vacuum", [], |r| r.get::<_, i64>(0))? == 2
     };
     let mut after: i64 = 0;
@@ -569,33 +569,18 @@ fn compact_pass(
         }
     }
     if incremental {
+        // One step per lock, so Receive and Apply wait for one short step at most.
+        let step = |free| runtime::retention::vacuum_step(free, keep_free_pages);
         loop {
-            let mut guard = lock(shared);
-            let free: u64 = guard.query_row("PRAGMA freelist_count", [], |r| r.get(0))?;
-            let step = runtime::retention::vacuum_step(free, keep_free_pages);
-            if step == 0 {
+            let given = db::give_back_free_pages(&mut lock(shared), step)?;
+            if given == 0 {
                 break;
             }
-            let tx = db::begin_immediate(&mut guard)?;
-            tx.execute_batch(&format!("PRAGMA incremental_vacuum({step})"))?;
-            tx.commit()?;
-            let left: u64 = guard.query_row("PRAGMA freelist_count", [], |r| r.get(0))?;
-            report.pages_freed += free.saturating_sub(left);
-            if left >= free {
-                break;
-            }
+            report.pages_freed += given;
         }
     }
-    report.size_after = Some(file_bytes(&lock(shared))?);
+    report.size_after = Some(db::database_bytes(&lock(shared))?);
     Ok(report)
-}
-
-/// The database's size in bytes as SQLite counts it (page count × page size), whatever the
-/// WAL holds that is not yet checkpointed into the file.
-fn file_bytes(conn: &Connection) -> Result<u64> {
-    let pages: u64 = conn.query_row("PRAGMA page_count", [], |r| r.get(0))?;
-    let size: u64 = conn.query_row("PRAGMA page_size", [], |r| r.get(0))?;
-    Ok(pages * size)
 }
 
 /// What one step inside the open transaction did.

@@ -345,7 +345,7 @@ impl SqliteStore {
         keep_free_pages: u64,
     ) -> Result<CompactReport, StoreError> {
         let size = |conn: &mut Connection, _: CrashSwitch| -> Result<Option<u64>, StoreError> {
-            Ok(Some(database_bytes(conn)?))
+            Ok(Some(db::database_bytes(conn)?))
         };
         let before = self.blocking("read the database size", size).await?;
         let mut report = CompactReport { file_bytes_before: before, ..CompactReport::default() };
@@ -375,7 +375,8 @@ impl SqliteStore {
             loop {
                 let step = self
                     .blocking("give pages back", move |conn: &mut Connection, _: CrashSwitch| {
-                        give_back_pages(conn, keep_free_pages)
+                        let step = |free| runtime::retention::vacuum_step(free, keep_free_pages);
+                        Ok(db::give_back_free_pages(conn, step)?)
                     })
                     .await?;
                 freed += step;
@@ -396,14 +397,6 @@ impl SqliteStore {
         report.file_bytes_after = self.blocking("read the database size", size).await?;
         Ok(report)
     }
-}
-
-/// The database's size: its pages, as the file holds them once the WAL is checkpointed (the
-/// file itself may lag behind until the next checkpoint).
-fn database_bytes(conn: &Connection) -> rusqlite::Result<u64> {
-    let pages: u64 = conn.query_row("PRAGMA page_count", [], |r| r.get(0))?;
-    let page_size: u64 = conn.query_row("PRAGMA page_size", [], |r| r.get(0))?;
-    Ok(pages * page_size)
 }
 
 /// One committed compaction batch.
@@ -454,22 +447,6 @@ fn compact_batch(
     tx.commit()?;
     crash.reach(CrashPoint::ProducerCompactAfterCommit);
     Ok(Some(CompactedBatch { rows: rows.len() as u64, body_bytes, last_id }))
-}
-
-/// One bounded `incremental_vacuum` step in its own write transaction, leaving `keep` free
-/// pages for new rows; returns the pages given back (0: nothing beyond the reserve).
-fn give_back_pages(conn: &mut Connection, keep: u64) -> Result<u64, StoreError> {
-    let tx = db::begin_immediate(conn)?;
-    let free = |tx: &Transaction<'_>| tx.query_row("PRAGMA freelist_count", [], |r| r.get::<_, u64>(0));
-    let before = free(&tx)?;
-    let step = runtime::retention::vacuum_step(before, keep);
-    if step == 0 {
-        return Ok(0);
-    }
-    tx.execute_batch(&format!("PRAGMA incremental_vacuum({step})"))?;
-    let after = free(&tx)?;
-    tx.commit()?;
-    Ok(before.saturating_sub(after))
 }
 
 /// The `backlog.unaccepted` counter inside one write transaction: read at most once (when the
