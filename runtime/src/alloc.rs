@@ -1,6 +1,19 @@
-//! Process-wide allocation settings for a process that writes SQLite: set once at start-up,
-//! before the first connection, by each binary's `main` (through [`crate::process_main`] or
-//! [`tune_allocation`]). They trade a little idle memory for fewer page faults per commit.
+//! Process-wide allocation settings for a process that writes SQLite: the global allocator,
+//! and settings applied once at start-up, before the first connection, by each binary's
+//! `main` (through [`crate::process_main`] or [`tune_allocation`]). They trade a little idle
+//! memory for fewer page faults and fewer instructions per event.
+
+/// Every Rust allocation of every binary linking this crate (the three services, the tests'
+/// tools, the benchmark) goes through mimalloc rather than glibc's malloc: a call's buffers,
+/// futures and strings are many small short-lived allocations, and glibc spent 12–15 % of
+/// each service's instructions in malloc and free. `bench --callgrind --flows 2000`, one
+/// sitting: 270 135 instructions per event in total with glibc, 249 394 with mimalloc
+/// (producer 123k → 113k, consumer 101k → 95k, relay 46k → 42k). SQLite keeps its own
+/// allocations on glibc (its lookaside buffers serve most of them). Memory goes back to the
+/// kernel as before: mimalloc purges freed pages on its own after a short delay, and
+/// [`release_free_memory`] forces it after a burst of connections.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// Applies the allocation settings, once per process (later calls do nothing).
 ///
@@ -34,11 +47,23 @@ pub fn tune_allocation() {
     });
 }
 
-/// `malloc_trim(0)`: returns every whole free page of every glibc arena to the kernel (the
-/// trim threshold above keeps them otherwise); the servers call it once a burst of
-/// connections is over (`server_limits`). True when memory was returned.
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
+/// Returns free memory to the kernel: mimalloc's freed pages (`mi_collect(true)`, the Rust
+/// side) and, with glibc, every whole free page of its arenas (`malloc_trim(0)`, SQLite's
+/// side, which the trim threshold above keeps otherwise). The servers call it once a burst of
+/// connections is over (`server_limits`). True when glibc returned memory (mimalloc does not
+/// say).
 pub fn release_free_memory() -> bool {
+    // Unsafe FFI: neither call has a safe wrapper.
+    #[allow(unsafe_code)]
+    // SAFETY: mi_collect only walks mimalloc's own heaps, under its own synchronisation.
+    unsafe {
+        libmimalloc_sys::mi_collect(true);
+    }
+    trim_glibc()
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn trim_glibc() -> bool {
     // Unsafe FFI: glibc's malloc_trim has no safe wrapper.
     #[allow(unsafe_code)]
     // SAFETY: malloc_trim only walks glibc's own arenas under their locks.
@@ -48,6 +73,6 @@ pub fn release_free_memory() -> bool {
 }
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-pub fn release_free_memory() -> bool {
+fn trim_glibc() -> bool {
     false
 }
