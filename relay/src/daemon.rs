@@ -117,6 +117,18 @@ pub async fn run(
             }
             continue;
         };
+        // Leases taken since the last pass (a dead relay's partitions, a share gained by
+        // rebalancing) are judged against this consumer before any of their rows is read.
+        if let Err(e) = active.judge_new(&links[current], ledger).await {
+            if matches!(e, RelayError::HistoryCompacted { .. }) {
+                return Err(e);
+            }
+            link_down(&mut link, &e, settings.max_backoff);
+            fail_over(&links, &mut current);
+            session = None;
+            pause(reconnect.next_wait(), stop).await;
+            continue;
+        }
         let now = Instant::now();
         let skip: HashSet<String> = held
             .iter()

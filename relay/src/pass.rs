@@ -128,6 +128,8 @@ pub async fn pass(
     let mut cursor = (String::new(), 0u64);
     let mut exhausted = false;
     let mut stopped_at: Option<Instant> = None;
+    // Judging happens between passes only, so this holds for the whole pass.
+    let judged = session.judged().clone();
     // Answers arrived and not yet recorded in producer.db, in stream order.
     let mut answered: Vec<Answered> = Vec::new();
     loop {
@@ -139,7 +141,7 @@ pub async fn pass(
                 match &mut source {
                     Source::Rows(rows) => page.extend(rows.drain(..)),
                     Source::Unaccepted if !exhausted => {
-                        page.extend(ledger.work_after(cursor.clone(), PAGE).await?);
+                        page.extend(ledger.work_after(cursor.clone(), PAGE, &judged).await?);
                         exhausted = page.len() < PAGE;
                     }
                     Source::Unaccepted => {}
@@ -152,7 +154,7 @@ pub async fn pass(
                 continue;
             }
             // Under leases: a row of a partition lost since the page was read is not ours.
-            let Ok(fence) = ledger.fence_for(&row) else { continue };
+            let Ok(fence) = ledger.fence_for(&row, &judged) else { continue };
             let envelope = match Event::from_canonical_body(&row.body) {
                 // The committed time rides beside the event (never in its body), so the
                 // consumer can measure commit→applied.

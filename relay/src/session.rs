@@ -14,6 +14,7 @@ use tonic::transport::Channel;
 
 use crate::Link;
 use crate::error::RelayError;
+use crate::identity::Judged;
 use crate::ledger::Ledger;
 
 /// One open `Receive` stream: envelopes go out through `outbound`, answers come back in
@@ -27,6 +28,9 @@ pub struct Session {
     identified_at: Instant,
     /// When an envelope was last handed to the stream (or the stream opened).
     last_sent: Instant,
+    /// Under leases: the leases judged against this stream's consumer; only their rows are
+    /// sent on it.
+    judged: Judged,
 }
 
 impl Session {
@@ -42,7 +46,8 @@ impl Session {
         ledger: &Ledger,
     ) -> Result<Session, RelayError> {
         let channel = crate::connect::channel(link, connect_deadline).await?;
-        crate::identity::check_consumer_history(channel.clone(), ledger, link).await?;
+        let mut judged = Judged::default();
+        crate::identity::judge(channel.clone(), ledger, link, &mut judged).await?;
         let (outbound, rx) = mpsc::channel(window.max(1));
         let mut client =
             ConsumerClient::with_interceptor(channel.clone(), SendToken::new(link.token.as_deref()));
@@ -50,7 +55,31 @@ impl Session {
             .await
             .map_err(|_| RelayError::Unresponsive(link.answer_timeout))?;
         let answers = opened.map_err(|s| RelayError::Stream(s.to_string()))?.into_inner();
-        Ok(Session { outbound, answers, channel, identified_at: Instant::now(), last_sent: Instant::now() })
+        Ok(Session {
+            outbound,
+            answers,
+            channel,
+            identified_at: Instant::now(),
+            last_sent: Instant::now(),
+            judged,
+        })
+    }
+
+    /// The leases judged against this stream's consumer (see [`crate::identity`]).
+    pub fn judged(&self) -> &Judged {
+        &self.judged
+    }
+
+    /// Between passes (`run` under leases): judges the leases taken since the last judgement
+    /// (a dead relay's partitions taken over, a share gained by rebalancing) against the
+    /// consumer, so their rows are sent on this stream only once what it lacks of them was
+    /// sent again. Asks the consumer nothing when no lease is new.
+    pub async fn judge_new(&mut self, link: &Link, ledger: &Ledger) -> Result<(), RelayError> {
+        if ledger.unjudged(&mut self.judged).is_none_or(|new| new.is_empty()) {
+            return Ok(());
+        }
+        self.identified_at = Instant::now();
+        crate::identity::judge(self.channel.clone(), ledger, link, &mut self.judged).await
     }
 
     /// While idle (`run`): checks the consumer's identity again, at most once per
@@ -62,7 +91,9 @@ impl Session {
             return Ok(());
         }
         self.identified_at = Instant::now();
-        crate::identity::check_consumer_history(self.channel.clone(), ledger, link).await
+        // Every lease is judged again against whatever database answers now.
+        self.judged = Judged::default();
+        crate::identity::judge(self.channel.clone(), ledger, link, &mut self.judged).await
     }
 
     /// Hands one envelope to the stream (never blocks while fewer than `window` are in flight).
