@@ -37,6 +37,16 @@ impl Judged {
         self.0.contains(&lease)
     }
 
+    /// The leases every one of `all` judged (none when `all` is empty).
+    pub fn common<'a>(mut all: impl Iterator<Item = &'a Judged>) -> Judged {
+        let Some(first) = all.next() else { return Judged::default() };
+        let mut common = first.clone();
+        for judged in all {
+            common.0.retain(|l| judged.0.contains(l));
+        }
+        common
+    }
+
     /// Forgets the leases not in `held` (lost or handed back).
     pub fn keep_only(&mut self, held: &[(u16, u64)]) {
         self.0.retain(|l| held.contains(l));
@@ -49,15 +59,15 @@ impl Judged {
 
 /// Identifies the consumer on `channel`, re-sends what its database lacks of what producer.db
 /// recorded as accepted (under leases: of the leases `judged` lacks, which are then added to
-/// it), and records from now on which database accepts each row. A consumer that does not
-/// implement `Identify` (an older build) is relayed to as before, with a warning: nothing is
-/// recorded, so nothing can be checked.
+/// it). Returns the consumer's database id, recorded on the rows it accepts from now on. A
+/// consumer that does not implement `Identify` (an older build) is relayed to as before,
+/// with a warning: `None`, nothing is recorded, so nothing can be checked.
 pub async fn judge(
     channel: Channel,
     ledger: &Ledger,
     link: &Link,
     judged: &mut Judged,
-) -> Result<(), RelayError> {
+) -> Result<Option<String>, RelayError> {
     let producer_database_id = ledger.producer_id().await?;
     // Taken before the consumer is asked (see `Ledger::resend_lost`).
     let scope = ledger.unjudged(judged);
@@ -75,9 +85,8 @@ pub async fn judge(
                 "the consumer cannot identify its database (an older build): a deleted or restored consumer \
                  database cannot be detected by this relay"
             );
-            ledger.set_consumer(None);
             judged.extend(scope.unwrap_or_default());
-            return Ok(());
+            return Ok(None);
         }
         Err(status) => return Err(RelayError::Stream(format!("identify: {status}"))),
     };
@@ -129,9 +138,8 @@ pub async fn judge(
         partitions_judged = judged_now.len(),
         "consumer identified"
     );
-    ledger.set_consumer(Some(identity.database_id));
     judged.extend(judged_now);
-    Ok(())
+    Ok(Some(identity.database_id))
 }
 
 /// How often `run` checks the consumer's identity again while it has nothing to send.

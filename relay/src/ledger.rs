@@ -1,9 +1,7 @@
 //! The relay's side of the producer database, through `producer::store` only (SQLite or
 //! PostgreSQL alike): short reads of unaccepted rows (no read transaction is held between
 //! polls) and one transaction per run of recorded answers (group commit of the marks, with
-//! the relay's crash points), plus which consumer database the open session talks to.
-
-use std::sync::{Arc, Mutex};
+//! the relay's crash points).
 
 use producer::store::{Fence, LeaseView, LostRows, OutboxRecord, ProducerStore, Role, StoreError};
 use proto::crash::CrashSwitch;
@@ -25,9 +23,6 @@ type Numbered = (usize, Recorded);
 #[derive(Clone)]
 pub struct Ledger {
     store: ProducerStore,
-    /// The consumer database the open session talks to (set by `identity` when the session
-    /// opens; `None` for a consumer that cannot say), recorded on every accepted row.
-    consumer_db: Arc<Mutex<Option<String>>>,
     /// `run` on PostgreSQL: the partitions this relay holds; it reads and marks only theirs.
     leases: Option<Leases>,
 }
@@ -39,7 +34,7 @@ impl Ledger {
         let store = ProducerStore::open(target, Role::Relay, crash).await?;
         // The metrics scrape reads the pool's state (the first ledger's: a relay opens one).
         let _ = LEDGER_STORE.set(store.clone());
-        Ok(Ledger { store, consumer_db: Arc::new(Mutex::new(None)), leases: None })
+        Ok(Ledger { store, leases: None })
     }
 
     /// True when several relays can share this outbox through partition leases (PostgreSQL).
@@ -136,15 +131,19 @@ impl Ledger {
     }
 
     /// Records the consumer's answers for a run of rows in ONE transaction (each counts one
-    /// send); marks a row accepted when its answer holds the event. Crash points
+    /// send); marks a row accepted when its answer holds the event, noting `consumer_db` (the
+    /// answering stream's consumer database) where it lives. Crash points
     /// `relay.after_mark` (written, not committed) and `relay.after_mark_commit` sit on the
     /// marking path only: a run with no accepted answer reaches neither.
     ///
     /// Under leases, answers of partitions no longer held are not recorded, and a mark the
     /// fence refused drops its partitions ([`Leases::drop_fenced`]). Returns the indexes of
     /// `answers` that were not recorded.
-    pub async fn record(&self, answers: Vec<Recorded>) -> Result<Vec<usize>, StoreError> {
-        let consumer_db = runtime::blocking::lock(&self.consumer_db).clone();
+    pub async fn record(
+        &self,
+        answers: Vec<Recorded>,
+        consumer_db: Option<String>,
+    ) -> Result<Vec<usize>, StoreError> {
         let Some(leases) = &self.leases else {
             self.store.record_deliveries(answers, consumer_db).await?;
             return Ok(Vec::new());
@@ -186,11 +185,6 @@ impl Ledger {
     /// This producer database's identity.
     pub async fn producer_id(&self) -> Result<String, StoreError> {
         self.store.database_id().await
-    }
-
-    /// Sets the consumer database the open session talks to.
-    pub fn set_consumer(&self, consumer_db: Option<String>) {
-        *runtime::blocking::lock(&self.consumer_db) = consumer_db;
     }
 
     /// Under leases: the leases held now that `judged` lacks (not yet checked against the

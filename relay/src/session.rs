@@ -2,6 +2,7 @@
 //! opened (connect, then open the call, bounded by the answer timeout), so whatever must
 //! happen before the first envelope is sent belongs there.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use proto::pb;
@@ -31,14 +32,13 @@ pub struct Session {
     /// Under leases: the leases judged against this stream's consumer; only their rows are
     /// sent on it.
     judged: Judged,
+    /// The consumer's database (`None`: it cannot say), recorded on the rows it accepts.
+    consumer_db: Option<Arc<str>>,
 }
 
 impl Session {
     /// Connects to the consumer (retrying until `connect_deadline`) and opens a `Receive`
-    /// stream with room for `window` envelopes. The consumer has `link.answer_timeout` to
-    /// answer the opening; a stopped consumer fails it instead of hanging it. Before the
-    /// stream opens, the consumer's database identity is checked against what producer.db
-    /// recorded as accepted ([`crate::identity`]): what it lost is sent again.
+    /// stream on the connection ([`Session::start`]).
     pub async fn open(
         link: &Link,
         window: usize,
@@ -46,8 +46,22 @@ impl Session {
         ledger: &Ledger,
     ) -> Result<Session, RelayError> {
         let channel = crate::connect::channel(link, connect_deadline).await?;
+        Session::start(channel, link, window, ledger).await
+    }
+
+    /// Opens a `Receive` stream with room for `window` envelopes on `channel`. The consumer
+    /// has `link.answer_timeout` to answer the opening; a stopped consumer fails it instead of
+    /// hanging it. Before the stream opens, the consumer's database identity is checked
+    /// against what producer.db recorded as accepted ([`crate::identity`]): what it lost is
+    /// sent again. `run` calls it between passes only (no mark of another stream in flight).
+    pub async fn start(
+        channel: Channel,
+        link: &Link,
+        window: usize,
+        ledger: &Ledger,
+    ) -> Result<Session, RelayError> {
         let mut judged = Judged::default();
-        crate::identity::judge(channel.clone(), ledger, link, &mut judged).await?;
+        let consumer_db = crate::identity::judge(channel.clone(), ledger, link, &mut judged).await?;
         let (outbound, rx) = mpsc::channel(window.max(1));
         let mut client =
             ConsumerClient::with_interceptor(channel.clone(), SendToken::new(link.token.as_deref()));
@@ -62,7 +76,13 @@ impl Session {
             identified_at: Instant::now(),
             last_sent: Instant::now(),
             judged,
+            consumer_db: consumer_db.map(Arc::from),
         })
+    }
+
+    /// The consumer database this stream's consumer answered for (`None`: it cannot say).
+    pub fn consumer_db(&self) -> Option<Arc<str>> {
+        self.consumer_db.clone()
     }
 
     /// The leases judged against this stream's consumer (see [`crate::identity`]).
@@ -79,7 +99,10 @@ impl Session {
             return Ok(());
         }
         self.identified_at = Instant::now();
-        crate::identity::judge(self.channel.clone(), ledger, link, &mut self.judged).await
+        self.consumer_db = crate::identity::judge(self.channel.clone(), ledger, link, &mut self.judged)
+            .await?
+            .map(Arc::from);
+        Ok(())
     }
 
     /// While idle (`run`): checks the consumer's identity again, at most once per
@@ -93,7 +116,10 @@ impl Session {
         self.identified_at = Instant::now();
         // Every lease is judged again against whatever database answers now.
         self.judged = Judged::default();
-        crate::identity::judge(self.channel.clone(), ledger, link, &mut self.judged).await
+        self.consumer_db = crate::identity::judge(self.channel.clone(), ledger, link, &mut self.judged)
+            .await?
+            .map(Arc::from);
+        Ok(())
     }
 
     /// Hands one envelope to the stream (never blocks while fewer than `window` are in flight).

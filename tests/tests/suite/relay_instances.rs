@@ -477,15 +477,25 @@ async fn three_of_each_on_one_database_apply_every_event_once_in_order() {
     assert_eq!(markers.len(), 3, "marked by {markers:?}");
 }
 
-/// `--consumer` twice (two consumer instances on one database): `run` delivers through one;
-/// when that one dies it fails over to the other and delivers everything committed since.
-/// Both backends (several consumers share a SQLite file too).
+/// `--consumer` twice (two consumer instances on one database): `run` keeps a stream to each
+/// and spreads the flows over them, so both receive; when one dies, the relay says so once,
+/// its flows go to the other stream, and everything committed since arrives. Every event is
+/// accepted exactly once in the consumer database. Both backends (several consumers share a
+/// SQLite file too).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn run_fails_over_to_another_consumer_on_the_same_database() {
+async fn run_spreads_flows_over_several_consumers_and_fails_over_when_one_dies() {
     let Some(work) = Workdir::for_test() else { return };
     let producer = Producer::start(&work, &[]);
     let mut consumers: Vec<Consumer> = (0..2)
-        .map(|i| Consumer::start_on(work.consumer_db(), work.path(&format!("consumer-{i}.log")), false, &[]))
+        .map(|i| {
+            let db = work.consumer_db();
+            let args: Vec<String> =
+                ["--db", &db.arg(), "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"]
+                    .map(String::from)
+                    .into();
+            let log = work.path(&format!("consumer-{i}.log"));
+            Consumer { process: ServerProcess::start("consumer", &args, &[], log), db }
+        })
         .collect();
     let urls: Vec<String> = consumers.iter().map(|c| c.process.url()).collect();
     let relay = RelayDaemon::start_command(
@@ -497,17 +507,26 @@ async fn run_fails_over_to_another_consumer_on_the_same_database() {
         &["--consumer", &urls[1], "run", "--delivery-lines", "--poll-ms", "20"],
         &[],
     );
-    commit_flows(&producer, &["A".to_owned(), "B".to_owned()]).await;
+    let first: Vec<String> = (0..40).map(|i| format!("A{i}")).collect();
+    commit_flows(&producer, &first).await;
     wait_for(
         DEADLINE,
         || db::outbox(&producer.db).iter().all(|r| r.accepted).then_some(()),
         || relay.log_text(),
     );
     let log = relay.log_text();
-    let used =
-        urls.iter().position(|u| log.contains(&format!("delivering url={u}"))).expect("a consumer was used");
-    consumers[used].process.kill();
-    let more: Vec<String> = (0..20).map(|i| format!("M{i}")).collect();
+    for url in &urls {
+        assert!(log.contains(&format!("delivering url={url}")), "{log}");
+    }
+    // Both consumers received part of the flows.
+    for c in &consumers {
+        let addr = harness::scrape::metrics_addr(&c.process.log_text()).expect("metrics serving line");
+        let m = harness::scrape::Metrics::scrape(&addr).await;
+        let accepted = m.get("ordered_events_consumer_receive_total", &[("outcome", "accepted")]);
+        assert!(accepted > 0.0, "{} received nothing: {}", c.process.url(), m.text);
+    }
+    consumers[0].process.kill();
+    let more: Vec<String> = (0..40).map(|i| format!("M{i}")).collect();
     commit_flows(&producer, &more).await;
     wait_for(
         DEADLINE,
@@ -515,14 +534,27 @@ async fn run_fails_over_to_another_consumer_on_the_same_database() {
         || relay.log_text(),
     );
     let log = relay.log_text();
-    assert!(log.contains("failing over to the next consumer"), "{log}");
-    assert!(log.contains(&format!("delivering url={}", urls[1 - used])), "{log}");
-    assert_eq!(db::inbox(&work.consumer_db()).len(), 22);
+    assert_eq!(
+        log.matches("failing over: the flows of the dropped stream go to the other consumers").count(),
+        1,
+        "{log}"
+    );
+    let down =
+        log.lines().filter(|l| l.contains(" WARN ") && l.contains(&format!("url={}", urls[0]))).count();
+    assert!(down >= 1, "the dropped link was not reported: {log}");
+    assert!(
+        log.lines().filter(|l| l.contains(" WARN ")).all(|l| l.contains(&format!("url={}", urls[0]))),
+        "a warning about the live consumer: {log}"
+    );
+    // Every event accepted exactly once in the consumer database.
+    let inbox = db::inbox(&work.consumer_db());
+    let ids: BTreeSet<&str> = inbox.iter().map(|r| r.event_id.as_str()).collect();
+    assert_eq!((inbox.len(), ids.len()), (80, 80));
     // GetFlow names the flow's partition on PostgreSQL only (SQLite's answer is unchanged).
     let flow =
-        producer.client().await.get_flow(pb::GetFlowRequest { flow_id: "A".into() }).await.expect("GetFlow");
+        producer.client().await.get_flow(pb::GetFlowRequest { flow_id: "A1".into() }).await.expect("GetFlow");
     let expected =
-        (work.backend() == Backend::Postgres).then(|| u32::from(proto::partition::flow_partition("A")));
+        (work.backend() == Backend::Postgres).then(|| u32::from(proto::partition::flow_partition("A1")));
     assert_eq!(flow.into_inner().partition, expected);
 }
 
