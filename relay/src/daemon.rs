@@ -1,11 +1,16 @@
-//! `run`: passes for ever until a stop. Any failure of the link (unreachable, stream error,
-//! a consumer that stopped answering) drops the stream and reconnects after a capped,
-//! jittered backoff, so no failure makes it spin; each change of the link's state and of a
+//! `run`: passes for ever until a stop, over one `Receive` stream per reachable `--consumer`
+//! (consumer instances on one database), each flow on one stream per pass. Any failure of a
+//! link (unreachable, stream error, a consumer that stopped answering) drops that stream and
+//! reconnects it in the background after a capped, jittered backoff while the other streams
+//! carry its flows, so no failure makes it spin; each change of a link's state and of a
 //! flow's state is logged once, not on every retry. Held-back flows are offered again after
 //! their own backoff, so a stuck conflict costs one attempt per backoff, not one per poll.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
+
+use tokio::task::JoinHandle;
+use tonic::transport::Channel;
 
 use crate::backoff::Backoff;
 use crate::error::RelayError;
@@ -47,6 +52,97 @@ struct Waiting {
 /// otherwise end it and make the next send look like a link failure.
 const RENEW_IDLE_STREAM: Duration = Duration::from_secs(60);
 
+/// While no stream is open and a connection is being made, how often `run` looks whether it
+/// is.
+const CONNECTING_POLL: Duration = Duration::from_millis(20);
+
+/// One `--consumer` and its stream, as `run` keeps it.
+struct Outlet {
+    link: Link,
+    session: Option<Session>,
+    /// The link's state as last logged.
+    state: LinkState,
+    reconnect: Backoff,
+    /// No new connection is tried before this.
+    retry_at: Instant,
+    /// A connection being made in the background (passes go on over the other streams).
+    connecting: Option<JoinHandle<Result<Channel, RelayError>>>,
+}
+
+impl Outlet {
+    fn new(link: Link, settings: RunSettings) -> Outlet {
+        Outlet {
+            link,
+            session: None,
+            state: LinkState::Starting,
+            reconnect: Backoff::new(RECONNECT_FIRST, settings.max_backoff),
+            retry_at: Instant::now(),
+            connecting: None,
+        }
+    }
+
+    /// Between passes, for an outlet with no stream: starts connecting when its backoff is
+    /// over, and opens the stream once the connection is made (judging the consumer then:
+    /// nothing is in flight on any stream).
+    async fn tend(
+        &mut self,
+        window: usize,
+        ledger: &Ledger,
+        stop: &Stop,
+        max_backoff: Duration,
+    ) -> Result<(), RelayError> {
+        if self.session.is_some() {
+            return Ok(());
+        }
+        let Some(task) = self.connecting.as_mut() else {
+            if Instant::now() >= self.retry_at {
+                let link = self.link.clone();
+                self.connecting =
+                    Some(tokio::spawn(async move { crate::connect::channel(&link, Duration::ZERO).await }));
+            }
+            return Ok(());
+        };
+        if !task.is_finished() {
+            return Ok(());
+        }
+        let connected = match task.await {
+            Ok(connected) => connected,
+            Err(e) => Err(RelayError::Stream(format!("connecting: {e}"))),
+        };
+        self.connecting = None;
+        let opened = match connected {
+            Ok(channel) => tokio::select! {
+                opened = Session::start(channel, &self.link, window, ledger) => opened,
+                () = stop.asked() => return Ok(()),
+            },
+            Err(e) => Err(e),
+        };
+        match opened {
+            Ok(session) => self.session = Some(session),
+            Err(e) if e.is_retried_by_run() => self.down(&e, max_backoff),
+            Err(e) => return Err(e),
+        }
+        Ok(())
+    }
+
+    /// The stream failed (or could not be opened): dropped, the failure logged once per
+    /// change of kind, and a new connection tried after the backoff.
+    fn down(&mut self, e: &RelayError, max_backoff: Duration) {
+        link_down(&mut self.state, &self.link.url, e, max_backoff);
+        self.session = None;
+        self.retry_at = Instant::now() + self.reconnect.next_wait();
+    }
+
+    /// The stream carried its answers (or had nothing to carry): the link works.
+    fn delivering(&mut self) {
+        if self.state != LinkState::Delivering {
+            tracing::info!(url = %self.link.url, "consumer reachable; delivering");
+            self.state = LinkState::Delivering;
+        }
+        self.reconnect.reset();
+    }
+}
+
 /// Runs passes until `stop`; in-flight answers are recorded first (within the grace).
 pub async fn run(
     config: &Config,
@@ -73,24 +169,23 @@ pub async fn run(
         }
         None => ledger,
     };
-    // Consumers on one database: start on one chosen by process (so relays spread over
-    // them) and move to the next after a link failure.
-    let links: Vec<Link> = if config.consumers.len() > 1 {
-        config.consumers.iter().map(|url| Link { url: url.clone(), ..config.link.clone() }).collect()
+    // Consumers on one database: one stream to each reachable one at once.
+    let mut outlets: Vec<Outlet> = if config.consumers.len() > 1 {
+        config
+            .consumers
+            .iter()
+            .map(|url| Outlet::new(Link { url: url.clone(), ..config.link.clone() }, settings))
+            .collect()
     } else {
-        vec![config.link.clone()]
+        vec![Outlet::new(config.link.clone(), settings)]
     };
-    let mut current = std::process::id() as usize % links.len();
     let mut held: HashMap<String, Waiting> = HashMap::new();
     let mut deferred: HashMap<String, Waiting> = HashMap::new();
-    let mut reconnect = Backoff::new(RECONNECT_FIRST, settings.max_backoff);
     // Polling adapts: right after a pass that sent something the next poll comes soon (new
     // rows usually follow), and each idle pass doubles the pause up to `--poll-ms`, so an
     // idle relay costs what it did with a fixed interval and a busy one finds rows sooner.
     let mut idle_poll =
         Backoff::new((settings.poll_interval / 16).max(Duration::from_millis(1)), settings.poll_interval);
-    let mut link = LinkState::Starting;
-    let mut session: Option<Session> = None;
     let mut progress = Progress { at: Instant::now(), sent: 0 };
     while !stop.requested() {
         if let Some(leases) = &leases {
@@ -99,24 +194,35 @@ pub async fn run(
             report.set_partitions(leases.held());
         }
         progress.maybe_write(report, settings);
-        let Some(active) = session.as_mut() else {
-            let opened = tokio::select! {
-                opened = Session::open(&links[current], config.window, Duration::ZERO, ledger) => opened,
-                () = stop.asked() => break,
-            };
-            match opened {
-                Ok(s) => session = Some(s),
-                Err(e) if e.is_retried_by_run() => {
-                    link_down(&mut link, &e, settings.max_backoff);
-                    if e.is_link_failure() {
-                        fail_over(&links, &mut current);
-                    }
-                    pause(reconnect.next_wait(), stop).await;
+        for outlet in &mut outlets {
+            outlet.tend(config.window, ledger, stop, settings.max_backoff).await?;
+        }
+        // Leases taken since the last pass (a dead relay's partitions, a share gained by
+        // rebalancing) are judged against each consumer before any of their rows is read.
+        for i in 0..outlets.len() {
+            let outlet = &mut outlets[i];
+            let Some(session) = outlet.session.as_mut() else { continue };
+            if let Err(e) = session.judge_new(&outlet.link, ledger).await {
+                if !e.is_retried_by_run() {
+                    // Nothing to retry (the lost rows are gone from the outbox too, say).
+                    return Err(e);
                 }
-                Err(e) => return Err(e),
+                outlet.down(&e, settings.max_backoff);
+                failed_over(&outlets);
             }
+        }
+        let live: Vec<usize> = (0..outlets.len()).filter(|i| outlets[*i].session.is_some()).collect();
+        if live.is_empty() {
+            // Nothing to send on: wait for a connection being made, or the next try.
+            let wait = if outlets.iter().any(|o| o.connecting.is_some()) {
+                CONNECTING_POLL
+            } else {
+                let next = outlets.iter().map(|o| o.retry_at).min().unwrap_or_else(Instant::now);
+                next.saturating_duration_since(Instant::now())
+            };
+            pause(wait, stop).await;
             continue;
-        };
+        }
         let now = Instant::now();
         let skip: HashSet<String> = held
             .iter()
@@ -124,50 +230,64 @@ pub async fn run(
             .filter(|(_, w)| w.until > now)
             .map(|(f, _)| f.clone())
             .collect();
-        match pass(active, ledger, Source::Unaccepted, &skip, Caps::of(config), report, stop).await {
-            Ok(result) => {
-                // The stream carried its answers (or had nothing to carry): the link works.
-                if link != LinkState::Delivering {
-                    tracing::info!(url = %links[current].url, "consumer reachable; delivering");
-                    link = LinkState::Delivering;
-                }
-                reconnect.reset();
-                let idle = result.sent == 0;
-                note_waiting_flows(result, &skip, &mut held, &mut deferred, settings.max_backoff);
-                if !idle {
-                    idle_poll.reset();
-                }
-                if idle {
-                    // A consumer restarted on a restored database gives an idle relay no row
-                    // to fail on: ask it who it is now and then.
-                    if let Err(e) = active.recheck_identity(&links[current], ledger).await {
-                        if matches!(e, RelayError::HistoryCompacted { .. }) {
-                            // Nothing to retry: the lost rows are gone from the outbox too.
-                            return Err(e);
-                        }
-                        link_down(&mut link, &e, settings.max_backoff);
-                        fail_over(&links, &mut current);
-                        session = None;
-                        pause(reconnect.next_wait(), stop).await;
-                        continue;
-                    }
-                    if active.idle_for() >= RENEW_IDLE_STREAM {
-                        tracing::debug!("stream idle; closing it before the consumer's idle timeout does");
-                        session = None;
-                    }
-                    pause(idle_poll.next_wait(), stop).await;
-                }
-            }
+        let mut sessions: Vec<&mut Session> = outlets.iter_mut().filter_map(|o| o.session.as_mut()).collect();
+        let passed =
+            pass(&mut sessions, ledger, Source::Unaccepted, &skip, Caps::of(config), report, stop).await;
+        drop(sessions);
+        let mut result = match passed {
+            Ok(result) => result,
             Err(e) if e.is_retried_by_run() => {
-                link_down(&mut link, &e, settings.max_backoff);
-                // Another consumer helps only when this one is the problem, not the outbox.
-                if e.is_link_failure() {
-                    fail_over(&links, &mut current);
+                // producer.db failed: every stream is dropped (what was in flight is sent
+                // again) and reopened after its backoff.
+                for i in &live {
+                    outlets[*i].down(&e, settings.max_backoff);
                 }
-                session = None;
-                pause(reconnect.next_wait(), stop).await;
+                continue;
             }
             Err(e) => return Err(e),
+        };
+        let broken = std::mem::take(&mut result.broken);
+        for (n, i) in live.iter().enumerate() {
+            match broken.iter().find(|(b, _)| *b == n) {
+                Some((_, e)) => {
+                    outlets[*i].down(e, settings.max_backoff);
+                    failed_over(&outlets);
+                }
+                None => outlets[*i].delivering(),
+            }
+        }
+        let idle = result.sent == 0;
+        note_waiting_flows(result, &skip, &mut held, &mut deferred, settings.max_backoff);
+        if !idle || !broken.is_empty() {
+            idle_poll.reset();
+            continue;
+        }
+        for i in 0..outlets.len() {
+            let outlet = &mut outlets[i];
+            let Some(session) = outlet.session.as_mut() else { continue };
+            // A consumer restarted on a restored database gives an idle relay no row to fail
+            // on: ask it who it is now and then.
+            if let Err(e) = session.recheck_identity(&outlet.link, ledger).await {
+                if matches!(e, RelayError::HistoryCompacted { .. }) {
+                    // Nothing to retry: the lost rows are gone from the outbox too.
+                    return Err(e);
+                }
+                outlet.down(&e, settings.max_backoff);
+                failed_over(&outlets);
+                continue;
+            }
+            if session.idle_for() >= RENEW_IDLE_STREAM {
+                tracing::debug!(url = %outlet.link.url, "stream idle; closing it before the consumer's idle timeout does");
+                outlet.session = None;
+            }
+        }
+        if outlets.iter().any(|o| o.session.is_some()) {
+            pause(idle_poll.next_wait(), stop).await;
+        }
+    }
+    for outlet in &outlets {
+        if let Some(task) = &outlet.connecting {
+            task.abort();
         }
     }
     if let Some(leases) = &leases {
@@ -206,7 +326,7 @@ impl Progress {
 
 /// Logs a link failure (or a producer database that went away) once per change of kind; the
 /// retries after it log at debug only.
-fn link_down(link: &mut LinkState, e: &RelayError, max_backoff: Duration) {
+fn link_down(link: &mut LinkState, url: &str, e: &RelayError, max_backoff: Duration) {
     let kind = match e {
         RelayError::Unreachable { .. } => "consumer unreachable",
         RelayError::Unresponsive(_) => "consumer stopped answering",
@@ -215,10 +335,10 @@ fn link_down(link: &mut LinkState, e: &RelayError, max_backoff: Duration) {
     };
     if *link == LinkState::Down(kind) {
         let subject = if matches!(e, RelayError::Store(_)) { "producer database" } else { "consumer" };
-        tracing::debug!(error = %e, "{subject} still failing; retrying with backoff");
+        tracing::debug!(url = %url, error = %e, "{subject} still failing; retrying with backoff");
     } else {
         tracing::warn!(
-            error = %e, ?max_backoff,
+            url = %url, error = %e, ?max_backoff,
             "{kind}: stream dropped, unanswered rows stay unaccepted and will be resent; retrying with backoff"
         );
         *link = LinkState::Down(kind);
@@ -280,11 +400,18 @@ fn note_waiting_flows(
     }
 }
 
-/// After a link failure, the next consumer (when there are several).
-fn fail_over(links: &[Link], current: &mut usize) {
-    if links.len() > 1 {
-        *current = (*current + 1) % links.len();
-        tracing::info!(url = %links[*current].url, "failing over to the next consumer");
+/// After a stream was dropped, with several consumers: says where its flows go now (once per
+/// failure; the link's own state change was logged by `link_down`).
+fn failed_over(outlets: &[Outlet]) {
+    if outlets.len() < 2 {
+        return;
+    }
+    let live: Vec<&str> =
+        outlets.iter().filter(|o| o.session.is_some()).map(|o| o.link.url.as_str()).collect();
+    if live.is_empty() {
+        tracing::info!("no consumer reachable; retrying each with backoff");
+    } else {
+        tracing::info!(to = ?live, "failing over: the flows of the dropped stream go to the other consumers");
     }
 }
 

@@ -63,15 +63,19 @@ impl Leases {
         runtime::blocking::lock(&self.held)
     }
 
-    /// The partitions whose rows may be read and sent now.
-    pub fn readable(&self) -> Vec<u16> {
+    /// The partitions whose rows may be read and sent now, with their epochs.
+    pub fn readable(&self) -> Vec<(u16, u64)> {
         let now = Instant::now();
-        self.lock().iter().filter(|(_, h)| !h.releasing && h.valid_until > now).map(|(p, _)| *p).collect()
+        self.lock()
+            .iter()
+            .filter(|(_, h)| !h.releasing && h.valid_until > now)
+            .map(|(p, h)| (*p, h.epoch))
+            .collect()
     }
 
-    /// Every partition this relay holds (those being handed back included).
-    pub fn held_partitions(&self) -> Vec<u16> {
-        self.lock().keys().copied().collect()
+    /// Every lease this relay holds (those being handed back included): `(partition, epoch)`.
+    pub fn held_leases(&self) -> Vec<(u16, u64)> {
+        self.lock().iter().map(|(p, h)| (*p, h.epoch)).collect()
     }
 
     /// How many partitions this relay holds.

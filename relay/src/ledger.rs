@@ -1,15 +1,14 @@
 //! The relay's side of the producer database, through `producer::store` only (SQLite or
 //! PostgreSQL alike): short reads of unaccepted rows (no read transaction is held between
 //! polls) and one transaction per run of recorded answers (group commit of the marks, with
-//! the relay's crash points), plus which consumer database the open session talks to.
-
-use std::sync::{Arc, Mutex};
+//! the relay's crash points).
 
 use producer::store::{Fence, LeaseView, LostRows, OutboxRecord, ProducerStore, Role, StoreError};
 use proto::crash::CrashSwitch;
 use proto::target::DbTarget;
 use runtime::OpenError;
 
+use crate::identity::Judged;
 use crate::lease::Leases;
 
 pub use producer::store::Recorded;
@@ -24,9 +23,6 @@ type Numbered = (usize, Recorded);
 #[derive(Clone)]
 pub struct Ledger {
     store: ProducerStore,
-    /// The consumer database the open session talks to (set by `identity` when the session
-    /// opens; `None` for a consumer that cannot say), recorded on every accepted row.
-    consumer_db: Arc<Mutex<Option<String>>>,
     /// `run` on PostgreSQL: the partitions this relay holds; it reads and marks only theirs.
     leases: Option<Leases>,
 }
@@ -38,7 +34,7 @@ impl Ledger {
         let store = ProducerStore::open(target, Role::Relay, crash).await?;
         // The metrics scrape reads the pool's state (the first ledger's: a relay opens one).
         let _ = LEDGER_STORE.set(store.clone());
-        Ok(Ledger { store, consumer_db: Arc::new(Mutex::new(None)), leases: None })
+        Ok(Ledger { store, leases: None })
     }
 
     /// True when several relays can share this outbox through partition leases (PostgreSQL).
@@ -53,16 +49,20 @@ impl Ledger {
     }
 
     /// The next page of work: up to `limit` unaccepted rows after `cursor` in `(flow_id, seq)`
-    /// order, of the held partitions only when the relay works under leases.
+    /// order. Under leases, only rows of the partitions held now whose lease was `judged`
+    /// against the session's consumer database: a row of a partition taken over since is
+    /// not read before the consumer was asked what it lacks of that partition.
     pub async fn work_after(
         &self,
         cursor: (String, u64),
         limit: usize,
+        judged: &Judged,
     ) -> Result<Vec<OutboxRecord>, StoreError> {
         match &self.leases {
             None => self.store.unaccepted_after(cursor, limit).await,
             Some(leases) => {
-                let partitions = leases.readable();
+                let partitions: Vec<u16> =
+                    leases.readable().into_iter().filter(|l| judged.contains(*l)).map(|(p, _)| p).collect();
                 if partitions.is_empty() {
                     return Ok(Vec::new());
                 }
@@ -72,12 +72,17 @@ impl Ledger {
     }
 
     /// The fencing token a row is sent under: `Ok(None)` without leases, `Err(())` when its
-    /// partition is not (or no longer) held: the row is not this relay's to send.
+    /// partition is not (or no longer) held, or held under a lease not `judged` against the
+    /// session's consumer: the row is not this session's to send now.
     #[allow(clippy::result_unit_err)]
-    pub fn fence_for(&self, row: &OutboxRecord) -> Result<Option<Fence>, ()> {
+    pub fn fence_for(&self, row: &OutboxRecord, judged: &Judged) -> Result<Option<Fence>, ()> {
         match &self.leases {
             None => Ok(None),
-            Some(leases) => leases.fence(proto::partition::flow_partition(&row.flow_id)).map(Some).ok_or(()),
+            Some(leases) => leases
+                .fence(proto::partition::flow_partition(&row.flow_id))
+                .filter(|f| judged.contains((f.partition, f.epoch)))
+                .map(Some)
+                .ok_or(()),
         }
     }
 
@@ -126,15 +131,19 @@ impl Ledger {
     }
 
     /// Records the consumer's answers for a run of rows in ONE transaction (each counts one
-    /// send); marks a row accepted when its answer holds the event. Crash points
+    /// send); marks a row accepted when its answer holds the event, noting `consumer_db` (the
+    /// answering stream's consumer database) where it lives. Crash points
     /// `relay.after_mark` (written, not committed) and `relay.after_mark_commit` sit on the
     /// marking path only: a run with no accepted answer reaches neither.
     ///
     /// Under leases, answers of partitions no longer held are not recorded, and a mark the
     /// fence refused drops its partitions ([`Leases::drop_fenced`]). Returns the indexes of
     /// `answers` that were not recorded.
-    pub async fn record(&self, answers: Vec<Recorded>) -> Result<Vec<usize>, StoreError> {
-        let consumer_db = runtime::blocking::lock(&self.consumer_db).clone();
+    pub async fn record(
+        &self,
+        answers: Vec<Recorded>,
+        consumer_db: Option<String>,
+    ) -> Result<Vec<usize>, StoreError> {
         let Some(leases) = &self.leases else {
             self.store.record_deliveries(answers, consumer_db).await?;
             return Ok(Vec::new());
@@ -178,39 +187,42 @@ impl Ledger {
         self.store.database_id().await
     }
 
-    /// Sets the consumer database the open session talks to.
-    pub fn set_consumer(&self, consumer_db: Option<String>) {
-        *runtime::blocking::lock(&self.consumer_db) = consumer_db;
-    }
-
-    /// The partitions whose rows only this relay marks now (under leases; `None` without):
-    /// taken before asking the consumer who it is, and passed to [`Ledger::resend_lost`].
-    pub fn judged_partitions(&self) -> Option<Vec<u16>> {
-        self.leases.as_ref().map(Leases::held_partitions)
+    /// Under leases: the leases held now that `judged` lacks (not yet checked against the
+    /// session's consumer database), after `judged` forgot the ones no longer held; taken
+    /// before asking the consumer who it is, and passed to [`Ledger::resend_lost`]. `None`
+    /// without leases: the whole outbox is judged at once.
+    pub fn unjudged(&self, judged: &mut Judged) -> Option<Vec<(u16, u64)>> {
+        let leases = self.leases.as_ref()?;
+        let held = leases.held_leases();
+        judged.keep_only(&held);
+        Some(held.into_iter().filter(|l| !judged.contains(*l)).collect())
     }
 
     /// In ONE transaction: what `consumer_db` (whose history reaches `highest_position`)
     /// lacks of what the outbox recorded as accepted, marked unaccepted again so it is sent
-    /// again. Returns what was found (and unmarked). Under leases, only the rows of
-    /// `judged` (held before the consumer was asked) still held now are judged: another
-    /// relay's rows may be marked, at higher positions, between the consumer's answer and
-    /// this read, which would look like a restored consumer.
+    /// again. Returns what was found (and unmarked) and the leases judged. Under leases,
+    /// only the rows of `scope` (held before the consumer was asked) still held at the same
+    /// epoch are judged: another relay's rows may be marked, at higher positions, between the
+    /// consumer's answer and this read, which would look like a restored consumer; only this
+    /// relay marks the rows of a partition it held throughout.
     pub async fn resend_lost(
         &self,
         consumer_db: String,
         highest_position: u64,
-        judged: Option<Vec<u16>>,
-    ) -> Result<LostRows, StoreError> {
-        match (&self.leases, judged) {
+        scope: Option<Vec<(u16, u64)>>,
+    ) -> Result<(LostRows, Vec<(u16, u64)>), StoreError> {
+        match (&self.leases, scope) {
             (Some(leases), Some(before)) => {
-                let now = leases.held_partitions();
-                let held: Vec<u16> = before.into_iter().filter(|p| now.contains(p)).collect();
+                let now = leases.held_leases();
+                let held: Vec<(u16, u64)> = before.into_iter().filter(|l| now.contains(l)).collect();
                 if held.is_empty() {
-                    return Ok(LostRows::default());
+                    return Ok((LostRows::default(), held));
                 }
-                self.store.resend_lost_in(consumer_db, highest_position, held).await
+                let partitions = held.iter().map(|(p, _)| *p).collect();
+                let lost = self.store.resend_lost_in(consumer_db, highest_position, partitions).await?;
+                Ok((lost, held))
             }
-            _ => self.store.resend_lost(consumer_db, highest_position).await,
+            _ => Ok((self.store.resend_lost(consumer_db, highest_position).await?, Vec::new())),
         }
     }
 }

@@ -3,8 +3,8 @@
 //! `Receive`, and marks a row accepted only after the consumer answered that it durably
 //! holds it (`ACCEPTED` or `DUPLICATE`). Everything else leaves the row unaccepted.
 //!
-//! Parts: [`session`] opens one `Receive` stream (over [`connect`]), [`pass`] sends a window
-//! of rows over it and [`record`]s the answers, [`decision`] holds the pure rules (what an
+//! Parts: [`session`] opens one `Receive` stream (over [`connect`]), [`pass`] sends windows
+//! of rows over one or several streams (each flow on one) and [`record`]s the answers, [`decision`] holds the pure rules (what an
 //! answer does to its row, the exit code, the backoff), [`oneshot`] runs `once`, `send` and
 //! `drain`, [`daemon`] runs `run`, and [`stop`] carries SIGTERM/SIGINT into every wait.
 
@@ -119,9 +119,9 @@ pub struct Config {
     pub producer_db: proto::target::DbTarget,
     /// The consumer (the first `--consumer`: the one-shot modes use it alone).
     pub link: Link,
-    /// Every `--consumer` URL, in the order given (the first is `link.url`). `run` spreads
-    /// relays over them and fails over to the next when one fails: every consumer instance on
-    /// one database accepts any envelope.
+    /// Every `--consumer` URL, in the order given (the first is `link.url`). `run` keeps a
+    /// stream to each reachable one and spreads the flows over them (every consumer instance
+    /// on one database accepts any envelope); a failed one's flows go to the others.
     pub consumers: Vec<String>,
     /// The mode and its own settings.
     pub mode: Mode,

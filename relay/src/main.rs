@@ -28,8 +28,10 @@ struct Args {
     producer_db: Option<proto::target::DbTarget>,
     /// The consumer's gRPC URL, e.g. http://127.0.0.1:50052. May be given more than once
     /// (the environment twin: comma-separated) for consumer instances on ONE database: `run`
-    /// starts on one of them (chosen by process, so relays spread) and fails over to the next
-    /// when it is unreachable or stops answering; the one-shot modes use the first.
+    /// keeps one stream to each reachable one and spreads the flows over them (all rows of a
+    /// flow on one stream, so its order holds); when one is unreachable or stops answering,
+    /// its flows go to the others while it is retried with backoff. The one-shot modes use
+    /// the first.
     #[arg(
         long,
         env = "ORDERED_EVENTS_CONSUMER_URL",

@@ -13,7 +13,7 @@ use crate::decision::backlog_progressed;
 use crate::error::RelayError;
 use crate::ledger::Ledger;
 use crate::output::Report;
-use crate::pass::{Caps, HeldBack, Source, pass};
+use crate::pass::{Caps, HeldBack, Source, pass_one};
 use crate::session::Session;
 use crate::stop::Stop;
 use crate::{Config, DrainSettings, ONE_SHOT_CONNECT_DEADLINE};
@@ -62,7 +62,7 @@ async fn deliver_one(
     let mut session = open(config, ledger, 1, stop, mode).await?;
     let source = Source::Rows(VecDeque::from([row]));
     let result =
-        pass(&mut session, ledger, source, &HashSet::new(), Caps::single(config), report, stop).await?;
+        pass_one(&mut session, ledger, source, &HashSet::new(), Caps::single(config), report, stop).await?;
     warn_held_back(&result.held_back);
     if result.sent == 0 {
         // Only a stop ends a pass before its one row is answered.
@@ -94,7 +94,7 @@ pub async fn drain(
     // found by the next one.
     loop {
         let result =
-            pass(&mut session, ledger, Source::Unaccepted, &skip, Caps::of(config), report, stop).await?;
+            pass_one(&mut session, ledger, Source::Unaccepted, &skip, Caps::of(config), report, stop).await?;
         warn_held_back(&result.held_back);
         skip.extend(result.held_back.into_iter().map(|h| h.flow_id));
         if stop.requested() {

@@ -2,6 +2,7 @@
 //! (marking the accepted rows), and only then are their delivery lines written, so stdout
 //! never claims more than the ledger holds.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use producer::store::{DeliveryAnswer, Fence, OutboxRecord};
@@ -24,11 +25,14 @@ pub struct Answered {
     pub at: Instant,
     /// The lease the row was sent under (`run` on PostgreSQL).
     pub fence: Option<Fence>,
+    /// The consumer database of the stream that answered (`None`: it could not say).
+    pub consumer_db: Option<Arc<str>>,
 }
 
-/// Records `answered` in one transaction, then queues and writes their delivery lines;
-/// returns how many were recorded. `answered` is empty afterwards. Answers the lease fence
-/// kept out are neither counted nor written (stdout never claims more than the ledger).
+/// Records `answered` in one transaction (one per consumer database, should streams of one
+/// pass answer for different ones), then queues and writes their delivery lines; returns how
+/// many were recorded. `answered` is empty afterwards. Answers the lease fence kept out are
+/// neither counted nor written (stdout never claims more than the ledger).
 pub async fn record(
     ledger: &Ledger,
     answered: &mut Vec<Answered>,
@@ -37,16 +41,31 @@ pub async fn record(
     if answered.is_empty() {
         return Ok(0);
     }
-    let recorded = answered
-        .iter()
-        .map(|a| Recorded {
-            event_id: a.row.event_id.clone(),
-            answer: a.answer,
-            position: a.position,
-            fence: a.fence.clone(),
-        })
-        .collect();
-    let not_recorded = ledger.record(recorded).await?;
+    let mut databases: Vec<&Option<Arc<str>>> = Vec::new();
+    for a in answered.iter() {
+        if !databases.contains(&&a.consumer_db) {
+            databases.push(&a.consumer_db);
+        }
+    }
+    let mut not_recorded = Vec::new();
+    for db in databases {
+        let (indexes, recorded): (Vec<usize>, Vec<Recorded>) = answered
+            .iter()
+            .enumerate()
+            .filter(|(_, a)| &a.consumer_db == db)
+            .map(|(i, a)| {
+                let recorded = Recorded {
+                    event_id: a.row.event_id.clone(),
+                    answer: a.answer,
+                    position: a.position,
+                    fence: a.fence.clone(),
+                };
+                (i, recorded)
+            })
+            .unzip();
+        let left = ledger.record(recorded, db.as_deref().map(str::to_owned)).await?;
+        not_recorded.extend(left.into_iter().map(|j| indexes[j]));
+    }
     let n = (answered.len() - not_recorded.len()) as u64;
     for (i, a) in answered.drain(..).enumerate() {
         if !not_recorded.contains(&i) {

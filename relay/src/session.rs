@@ -2,6 +2,7 @@
 //! opened (connect, then open the call, bounded by the answer timeout), so whatever must
 //! happen before the first envelope is sent belongs there.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use proto::pb;
@@ -14,6 +15,7 @@ use tonic::transport::Channel;
 
 use crate::Link;
 use crate::error::RelayError;
+use crate::identity::Judged;
 use crate::ledger::Ledger;
 
 /// One open `Receive` stream: envelopes go out through `outbound`, answers come back in
@@ -27,14 +29,16 @@ pub struct Session {
     identified_at: Instant,
     /// When an envelope was last handed to the stream (or the stream opened).
     last_sent: Instant,
+    /// Under leases: the leases judged against this stream's consumer; only their rows are
+    /// sent on it.
+    judged: Judged,
+    /// The consumer's database (`None`: it cannot say), recorded on the rows it accepts.
+    consumer_db: Option<Arc<str>>,
 }
 
 impl Session {
     /// Connects to the consumer (retrying until `connect_deadline`) and opens a `Receive`
-    /// stream with room for `window` envelopes. The consumer has `link.answer_timeout` to
-    /// answer the opening; a stopped consumer fails it instead of hanging it. Before the
-    /// stream opens, the consumer's database identity is checked against what producer.db
-    /// recorded as accepted ([`crate::identity`]): what it lost is sent again.
+    /// stream on the connection ([`Session::start`]).
     pub async fn open(
         link: &Link,
         window: usize,
@@ -42,7 +46,22 @@ impl Session {
         ledger: &Ledger,
     ) -> Result<Session, RelayError> {
         let channel = crate::connect::channel(link, connect_deadline).await?;
-        crate::identity::check_consumer_history(channel.clone(), ledger, link).await?;
+        Session::start(channel, link, window, ledger).await
+    }
+
+    /// Opens a `Receive` stream with room for `window` envelopes on `channel`. The consumer
+    /// has `link.answer_timeout` to answer the opening; a stopped consumer fails it instead of
+    /// hanging it. Before the stream opens, the consumer's database identity is checked
+    /// against what producer.db recorded as accepted ([`crate::identity`]): what it lost is
+    /// sent again. `run` calls it between passes only (no mark of another stream in flight).
+    pub async fn start(
+        channel: Channel,
+        link: &Link,
+        window: usize,
+        ledger: &Ledger,
+    ) -> Result<Session, RelayError> {
+        let mut judged = Judged::default();
+        let consumer_db = crate::identity::judge(channel.clone(), ledger, link, &mut judged).await?;
         let (outbound, rx) = mpsc::channel(window.max(1));
         let mut client =
             ConsumerClient::with_interceptor(channel.clone(), SendToken::new(link.token.as_deref()));
@@ -50,7 +69,40 @@ impl Session {
             .await
             .map_err(|_| RelayError::Unresponsive(link.answer_timeout))?;
         let answers = opened.map_err(|s| RelayError::Stream(s.to_string()))?.into_inner();
-        Ok(Session { outbound, answers, channel, identified_at: Instant::now(), last_sent: Instant::now() })
+        Ok(Session {
+            outbound,
+            answers,
+            channel,
+            identified_at: Instant::now(),
+            last_sent: Instant::now(),
+            judged,
+            consumer_db: consumer_db.map(Arc::from),
+        })
+    }
+
+    /// The consumer database this stream's consumer answered for (`None`: it cannot say).
+    pub fn consumer_db(&self) -> Option<Arc<str>> {
+        self.consumer_db.clone()
+    }
+
+    /// The leases judged against this stream's consumer (see [`crate::identity`]).
+    pub fn judged(&self) -> &Judged {
+        &self.judged
+    }
+
+    /// Between passes (`run` under leases): judges the leases taken since the last judgement
+    /// (a dead relay's partitions taken over, a share gained by rebalancing) against the
+    /// consumer, so their rows are sent on this stream only once what it lacks of them was
+    /// sent again. Asks the consumer nothing when no lease is new.
+    pub async fn judge_new(&mut self, link: &Link, ledger: &Ledger) -> Result<(), RelayError> {
+        if ledger.unjudged(&mut self.judged).is_none_or(|new| new.is_empty()) {
+            return Ok(());
+        }
+        self.identified_at = Instant::now();
+        self.consumer_db = crate::identity::judge(self.channel.clone(), ledger, link, &mut self.judged)
+            .await?
+            .map(Arc::from);
+        Ok(())
     }
 
     /// While idle (`run`): checks the consumer's identity again, at most once per
@@ -62,7 +114,12 @@ impl Session {
             return Ok(());
         }
         self.identified_at = Instant::now();
-        crate::identity::check_consumer_history(self.channel.clone(), ledger, link).await
+        // Every lease is judged again against whatever database answers now.
+        self.judged = Judged::default();
+        self.consumer_db = crate::identity::judge(self.channel.clone(), ledger, link, &mut self.judged)
+            .await?
+            .map(Arc::from);
+        Ok(())
     }
 
     /// Hands one envelope to the stream (never blocks while fewer than `window` are in flight).

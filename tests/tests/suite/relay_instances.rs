@@ -3,12 +3,15 @@
 //! after it resumes (fencing, checked on the rows: who marked each and under which epoch);
 //! a relay killed with rows waiting has its partitions delivered by another within the
 //! configured bound; and 3 producers, 3 relays and 3 consumers under concurrent load apply
-//! every event exactly once, each flow a contiguous prefix (the chaos checker's invariants).
+//! every event exactly once, each flow a contiguous prefix (the chaos checker's invariants);
+//! a relay that takes over a dead relay's partitions while the consumer's database was
+//! restored from an older copy sends what the consumer lost of them again, before any later
+//! row of theirs.
 //! PostgreSQL only: on SQLite one relay serves the outbox.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use harness::background::{RelayDaemon, wait_for};
 use harness::checker::{AdvanceRecord, Answer, Files, History, Intent, check, wait_drained};
@@ -121,6 +124,32 @@ fn relay_run(
         &args,
         &[("RUST_LOG", "info,relay=debug")],
     )
+}
+
+/// Starts a consumer (no auto-apply) on `db`, listening on `listen`: a restarted consumer
+/// keeps its address so the running relays find it again (retried while a consumer killed a
+/// moment ago still holds it).
+fn consumer_at(db: &Target, listen: &str, log: std::path::PathBuf) -> Consumer {
+    let args: Vec<String> = ["--db", &db.arg(), "--listen", listen].map(String::from).into();
+    let until = Instant::now() + DEADLINE;
+    loop {
+        match ServerProcess::try_start("consumer", &args, &[], log.clone(), Duration::from_secs(10)) {
+            Ok(process) => return Consumer { process, db: db.clone() },
+            Err(e) if Instant::now() < until && e.contains("ddress") => continue,
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+/// Replaces the (empty) database `to` with a copy of `from`, as a restore from a backup
+/// would (nothing may be connected to `from`).
+fn copy_database(from: &Target, to: &Target) {
+    let name = |t: &Target| {
+        url(t).split('?').next().unwrap_or_default().rsplit('/').next().unwrap_or_default().to_owned()
+    };
+    let admin = Target::Postgres(proto::pg::testing::with_database(url(from), "postgres"));
+    db::execute(&admin, &format!("DROP DATABASE {}", name(to)));
+    db::execute(&admin, &format!("CREATE DATABASE {} TEMPLATE {}", name(to), name(from)));
 }
 
 fn auto_consumer(work: &Workdir, log: &str) -> Consumer {
@@ -448,15 +477,25 @@ async fn three_of_each_on_one_database_apply_every_event_once_in_order() {
     assert_eq!(markers.len(), 3, "marked by {markers:?}");
 }
 
-/// `--consumer` twice (two consumer instances on one database): `run` delivers through one;
-/// when that one dies it fails over to the other and delivers everything committed since.
-/// Both backends (several consumers share a SQLite file too).
+/// `--consumer` twice (two consumer instances on one database): `run` keeps a stream to each
+/// and spreads the flows over them, so both receive; when one dies, the relay says so once,
+/// its flows go to the other stream, and everything committed since arrives. Every event is
+/// accepted exactly once in the consumer database. Both backends (several consumers share a
+/// SQLite file too).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn run_fails_over_to_another_consumer_on_the_same_database() {
+async fn run_spreads_flows_over_several_consumers_and_fails_over_when_one_dies() {
     let Some(work) = Workdir::for_test() else { return };
     let producer = Producer::start(&work, &[]);
     let mut consumers: Vec<Consumer> = (0..2)
-        .map(|i| Consumer::start_on(work.consumer_db(), work.path(&format!("consumer-{i}.log")), false, &[]))
+        .map(|i| {
+            let db = work.consumer_db();
+            let args: Vec<String> =
+                ["--db", &db.arg(), "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"]
+                    .map(String::from)
+                    .into();
+            let log = work.path(&format!("consumer-{i}.log"));
+            Consumer { process: ServerProcess::start("consumer", &args, &[], log), db }
+        })
         .collect();
     let urls: Vec<String> = consumers.iter().map(|c| c.process.url()).collect();
     let relay = RelayDaemon::start_command(
@@ -468,17 +507,26 @@ async fn run_fails_over_to_another_consumer_on_the_same_database() {
         &["--consumer", &urls[1], "run", "--delivery-lines", "--poll-ms", "20"],
         &[],
     );
-    commit_flows(&producer, &["A".to_owned(), "B".to_owned()]).await;
+    let first: Vec<String> = (0..40).map(|i| format!("A{i}")).collect();
+    commit_flows(&producer, &first).await;
     wait_for(
         DEADLINE,
         || db::outbox(&producer.db).iter().all(|r| r.accepted).then_some(()),
         || relay.log_text(),
     );
     let log = relay.log_text();
-    let used =
-        urls.iter().position(|u| log.contains(&format!("delivering url={u}"))).expect("a consumer was used");
-    consumers[used].process.kill();
-    let more: Vec<String> = (0..20).map(|i| format!("M{i}")).collect();
+    for url in &urls {
+        assert!(log.contains(&format!("delivering url={url}")), "{log}");
+    }
+    // Both consumers received part of the flows.
+    for c in &consumers {
+        let addr = harness::scrape::metrics_addr(&c.process.log_text()).expect("metrics serving line");
+        let m = harness::scrape::Metrics::scrape(&addr).await;
+        let accepted = m.get("ordered_events_consumer_receive_total", &[("outcome", "accepted")]);
+        assert!(accepted > 0.0, "{} received nothing: {}", c.process.url(), m.text);
+    }
+    consumers[0].process.kill();
+    let more: Vec<String> = (0..40).map(|i| format!("M{i}")).collect();
     commit_flows(&producer, &more).await;
     wait_for(
         DEADLINE,
@@ -486,13 +534,151 @@ async fn run_fails_over_to_another_consumer_on_the_same_database() {
         || relay.log_text(),
     );
     let log = relay.log_text();
-    assert!(log.contains("failing over to the next consumer"), "{log}");
-    assert!(log.contains(&format!("delivering url={}", urls[1 - used])), "{log}");
-    assert_eq!(db::inbox(&work.consumer_db()).len(), 22);
+    assert_eq!(
+        log.matches("failing over: the flows of the dropped stream go to the other consumers").count(),
+        1,
+        "{log}"
+    );
+    let down =
+        log.lines().filter(|l| l.contains(" WARN ") && l.contains(&format!("url={}", urls[0]))).count();
+    assert!(down >= 1, "the dropped link was not reported: {log}");
+    assert!(
+        log.lines().filter(|l| l.contains(" WARN ")).all(|l| l.contains(&format!("url={}", urls[0]))),
+        "a warning about the live consumer: {log}"
+    );
+    // Every event accepted exactly once in the consumer database.
+    let inbox = db::inbox(&work.consumer_db());
+    let ids: BTreeSet<&str> = inbox.iter().map(|r| r.event_id.as_str()).collect();
+    assert_eq!((inbox.len(), ids.len()), (80, 80));
     // GetFlow names the flow's partition on PostgreSQL only (SQLite's answer is unchanged).
     let flow =
-        producer.client().await.get_flow(pb::GetFlowRequest { flow_id: "A".into() }).await.expect("GetFlow");
+        producer.client().await.get_flow(pb::GetFlowRequest { flow_id: "A1".into() }).await.expect("GetFlow");
     let expected =
-        (work.backend() == Backend::Postgres).then(|| u32::from(proto::partition::flow_partition("A")));
+        (work.backend() == Backend::Postgres).then(|| u32::from(proto::partition::flow_partition("A1")));
     assert_eq!(flow.into_inner().partition, expected);
+}
+
+/// The partitions whose live lease `owner` holds.
+fn partitions_of(target: &Target, owner: &str) -> BTreeSet<u16> {
+    let owner = owner.to_owned();
+    query(target, "SELECT partition, owner FROM relay_lease", |r| {
+        (r.get::<_, i16>(0), r.get::<_, Option<String>>(1))
+    })
+    .into_iter()
+    .filter(|(_, o)| o.as_deref() == Some(owner.as_str()))
+    .filter_map(|(p, _)| u16::try_from(p).ok())
+    .collect()
+}
+
+/// Two relays (each with its own consumer instance on one consumer database) split the
+/// partitions. Rows of relay a's partitions are accepted after a backup of the consumer
+/// database; then both consumers stop, the flows get a second step, and only b's consumer
+/// comes back, on the older copy (a's stays down, so a never asks it anything). b judges its
+/// own partitions (nothing lost there) and delivers. Then a is killed and b takes its
+/// partitions over: before sending any row of them it must ask the consumer what it lacks of
+/// them, say so loudly and send the lost first steps again, before their second steps. Sent
+/// the other way round, the second steps would raise the copy's history past the lost rows'
+/// positions and hide the loss for good. Every event arrives, in seq order per flow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_taking_over_partitions_resends_what_a_restored_consumer_lost_of_them_first() {
+    if skipped_without_postgres() {
+        return;
+    }
+    let Some(mut work) = Workdir::for_test() else { return };
+    let producer = Producer::start(&work, &[]);
+    let consumer_db = work.other_db("consumer");
+    let backup = work.other_db("backup");
+    let mut c1 = consumer_at(&consumer_db, "127.0.0.1:0", work.path("consumer-1.log"));
+    let mut c2 = consumer_at(&consumer_db, "127.0.0.1:0", work.path("consumer-2.log"));
+    let (addr1, addr2) = (c1.process.addr.clone(), c2.process.addr.clone());
+    let mut a = relay_run(&work, "relay-a", &producer.db, &c2.process.url(), &[]);
+    wait_for(
+        DEADLINE,
+        || (owners(&producer.db).values().sum::<usize>() == 64).then_some(()),
+        || a.log_text(),
+    );
+    let b = relay_run(&work, "relay-b", &producer.db, &c1.process.url(), &[]);
+    wait_for(
+        DEADLINE,
+        || {
+            let held = owners(&producer.db);
+            (held.len() == 2 && held.values().all(|n| *n == 32)).then_some(())
+        },
+        || format!("{:?}", owners(&producer.db)),
+    );
+    let (a_id, b_id) = (instance_of(&a).expect("a's lease line"), instance_of(&b).expect("b's lease line"));
+    let all_accepted = || db::outbox(&producer.db).iter().all(|r| r.accepted).then_some(());
+
+    // The backup holds the K flows (positions 1..=64).
+    let kept: Vec<String> = (0..64).map(|i| format!("K{i}")).collect();
+    commit_flows(&producer, &kept).await;
+    wait_for(DEADLINE, all_accepted, || b.log_text());
+    assert_eq!(c1.process.terminate(DEADLINE).code(), Some(0));
+    assert_eq!(c2.process.terminate(DEADLINE).code(), Some(0));
+    copy_database(&consumer_db, &backup);
+    let mut c1 = consumer_at(&consumer_db, &addr1, work.path("consumer-1b.log"));
+    let mut c2 = consumer_at(&consumer_db, &addr2, work.path("consumer-2b.log"));
+    // The L flows live in a's partitions; a accepts them after the backup.
+    let a_partitions = partitions_of(&producer.db, &a_id);
+    let lost: Vec<String> = (0..)
+        .map(|i| format!("L{i}"))
+        .filter(|f| a_partitions.contains(&proto::partition::flow_partition(f)))
+        .take(40)
+        .collect();
+    commit_flows(&producer, &lost).await;
+    wait_for(DEADLINE, all_accepted, || format!("a: {}\nb: {}", a.log_text(), b.log_text()));
+    assert!(
+        marks(&producer.db)
+            .iter()
+            .filter(|m| m.0.starts_with('L'))
+            .all(|m| m.2.as_deref() == Some(a_id.as_str())),
+        "a accepted every L row: {:?}",
+        marks(&producer.db)
+    );
+
+    // Both consumers stop; each L flow gets its second step meanwhile. Only b's consumer
+    // comes back, on the older copy.
+    assert_eq!(c1.process.terminate(DEADLINE).code(), Some(0));
+    assert_eq!(c2.process.terminate(DEADLINE).code(), Some(0));
+    for flow in &lost {
+        let r = producer.advance_steps(flow, 1, &[1]).await;
+        assert_eq!(pb::AdvanceOutcome::try_from(r[0].outcome), Ok(pb::AdvanceOutcome::Committed), "{r:?}");
+    }
+    let seen = b.log_text().len();
+    let restored = consumer_at(&backup, &addr1, work.path("consumer-restored.log"));
+    // b identifies the copy (its history ends at the K flows) and judges its own partitions.
+    wait_for(
+        DEADLINE,
+        || b.log_text()[seen..].contains("highest_inbox_position=64 partitions_judged=32").then_some(()),
+        || b.log_text(),
+    );
+    let restored_line = "CONSUMER DATABASE RESTORED FROM AN OLDER COPY";
+    assert!(!b.log_text().contains(restored_line), "b's own partitions lost nothing: {}", b.log_text());
+    assert!(marks(&producer.db).iter().any(|m| !m.1), "the second steps wait for a relay");
+
+    // a dies; b takes its partitions over.
+    a.kill();
+    wait_for(
+        DEADLINE,
+        || {
+            let inbox: BTreeSet<String> = db::inbox(&backup).into_iter().map(|r| r.event_id).collect();
+            let outbox: BTreeSet<String> = db::outbox(&producer.db).into_iter().map(|r| r.event_id).collect();
+            (all_accepted().is_some() && inbox == outbox).then_some(())
+        },
+        || format!("{:?}; b: {}", owners(&producer.db), b.log_text()),
+    );
+    assert_eq!(owners(&producer.db).get(&b_id), Some(&64), "b holds every partition");
+    let log = b.log_text();
+    let lines: Vec<&str> = log.lines().filter(|l| l.contains(restored_line)).collect();
+    assert_eq!(lines.len(), 1, "{log}");
+    assert!(lines[0].contains(&format!("rows={}", lost.len())), "{log}");
+    // Per-flow delivery order: in the restored inbox each L flow's step 1 arrived before its
+    // step 2.
+    let inbox = db::inbox(&backup);
+    for flow in &lost {
+        let at = |seq: u64| inbox.iter().find(|r| &r.flow_id == flow && r.seq == seq).map(|r| r.rowid);
+        assert!(at(1).is_some() && at(1) < at(2), "flow {flow} arrived out of order: {:?}", (at(1), at(2)));
+    }
+    assert_eq!(inbox.len(), 64 + 2 * lost.len());
+    drop(restored);
 }
