@@ -329,8 +329,8 @@ macro_rules! waiting_delta {
            count(*) FILTER (WHERE after_state = 'pending') - count(*) FILTER (WHERE before_state = 'pending')
       INTO gap_d, ready_d FROM ws;
     IF gap_d <> 0 OR ready_d <> 0 THEN
-        UPDATE ordered_events_consumer.backlog
-        SET gap_flows = gap_flows + gap_d, ready_flows = ready_flows + ready_d WHERE id = 1;
+        UPDATE ordered_events_consumer.waiting_flows
+        SET gap = gap + gap_d, ready = ready + ready_d WHERE id = 1;
     END IF;
 "#
     };
@@ -369,23 +369,27 @@ END $$;
     };
 }
 
-/// Version 4 to 5: `backlog` counts the flows waiting at a gap and the ready ones, kept exact
-/// by the same statement triggers as the other counters (one more UPDATE of the counter row
-/// when a statement moved one, see [`waiting_delta`]), so the metrics scrape reads them
-/// instead of walking the waiting flows. Every inbox writer is waited for first (`LOCK`): a
-/// transaction already inside the old trigger functions would not count its change. The
-/// counts start from the rows as they are (each waiting flow's lowest unapplied row against
-/// its projection, once). An inbox row's flow_id and seq never change, and every change of an
-/// unapplied row's state moves one of the other counters, so those are the statements that
-/// are looked at.
+/// Version 4 to 5: `waiting_flows` counts the flows waiting at a gap and the ready ones, kept
+/// exact by the same statement triggers as the backlog counters (one UPDATE of its row when a
+/// statement moved one, see [`waiting_delta`], serialised by the backlog row's lock), so the
+/// metrics scrape reads them instead of walking the waiting flows. Every inbox writer is
+/// waited for first (`LOCK`): a transaction already inside the old trigger functions would not
+/// count its change. The counts start from the rows as they are (each waiting flow's lowest
+/// unapplied row against its projection, once). A table of its own rather than columns of
+/// `backlog`: altering `backlog` needs a lock that a running Receive (holding `backlog` for
+/// its cap, then queued behind the inbox lock) would deadlock with. An inbox row's flow_id and
+/// seq never change, and every change of an unapplied row's state moves one of the backlog
+/// counters, so those statements are the ones looked at.
 macro_rules! upgrade_to_5 {
     () => {
         concat!(
             r#"
 LOCK TABLE inbox IN SHARE ROW EXCLUSIVE MODE;
-ALTER TABLE backlog
-    ADD COLUMN gap_flows BIGINT NOT NULL DEFAULT 0 CHECK(gap_flows >= 0),
-    ADD COLUMN ready_flows BIGINT NOT NULL DEFAULT 0 CHECK(ready_flows >= 0);
+CREATE TABLE waiting_flows(
+    id INTEGER PRIMARY KEY CHECK(id = 1),
+    gap BIGINT NOT NULL CHECK(gap >= 0),
+    ready BIGINT NOT NULL CHECK(ready >= 0)
+);
 WITH w AS (
          SELECT DISTINCT ON (flow_id) flow_id, seq AS lowest, state FROM inbox
          WHERE state <> 'applied' ORDER BY flow_id, seq),
@@ -393,7 +397,7 @@ WITH w AS (
          SELECT count(*) FILTER (WHERE w.lowest > coalesce(pr.last_seq, 0) + 1) AS gap,
                 count(*) FILTER (WHERE w.lowest = coalesce(pr.last_seq, 0) + 1 AND w.state = 'pending') AS ready
          FROM w LEFT JOIN projection pr ON pr.flow_id = w.flow_id)
-UPDATE backlog SET gap_flows = c.gap, ready_flows = c.ready FROM c WHERE id = 1;
+INSERT INTO waiting_flows(id, gap, ready) SELECT 1, c.gap, c.ready FROM c;
 "#,
             counter_function!(
                 "backlog_inserted",
@@ -1081,8 +1085,10 @@ impl PgStore {
 }
 
 /// The backlog counters, kept exact by the triggers (one row read).
-const BACKLOG_COUNTS_SQL: &str = "SELECT unapplied, blocked_unsupported_schema, blocked_invalid_payload,
-            blocked_invalid_transition, gap_flows, ready_flows FROM backlog WHERE id = 1";
+const BACKLOG_COUNTS_SQL: &str =
+    "SELECT b.unapplied, b.blocked_unsupported_schema, b.blocked_invalid_payload,
+            b.blocked_invalid_transition, w.gap, w.ready FROM backlog b, waiting_flows w
+     WHERE b.id = 1 AND w.id = 1";
 
 /// Fails every flow not yet done with `e` (no transaction could be had).
 fn fail_rest(runs: &mut [FlowRun], e: StoreError, opts: &ApplyOptions) {
