@@ -291,7 +291,10 @@ const UPGRADE_TO_4: &str = upgrade_to_4!();
 /// trigger, and this computes `gap_d` and `ready_d`. Each touched flow's waiting state is read
 /// now and, for before the statement, rebuilt from the changes: the rows it applied start at
 /// the flow's next seq before it (so that is where it was), the changed rows take their old
-/// states and inserted rows are not there. The same rules as [`crate::waiting`]: idle (no
+/// states and inserted rows are not there. A flow's state follows from its lowest unapplied
+/// row (no unapplied row is below the next seq), so each flow costs two probes of the partial
+/// index `inbox_unapplied` (its lowest unapplied row now, and its lowest one the statement did
+/// not touch) and one of its projection. The same rules as [`crate::waiting`]: idle (no
 /// unapplied row), gap (the next seq not stored), ready (stored and pending), blocked.
 /// Run after the statement took the backlog row's lock, so the flows' rows and projections
 /// it reads are final for every transaction that committed before it, and no other
@@ -303,28 +306,30 @@ macro_rules! waiting_delta {
         SELECT flow_id,
                min(seq) FILTER (WHERE was_state <> 'applied' AND now_state = 'applied') AS applied_from,
                array_agg(seq) AS seqs,
-               coalesce(bool_or(was_state <> 'applied'), false) AS had
+               min(seq) FILTER (WHERE was_state <> 'applied') AS was_lowest,
+               (array_agg(was_state ORDER BY seq) FILTER (WHERE was_state <> 'applied'))[1] AS was_lowest_state
         FROM wc GROUP BY flow_id),
     wn AS (
         SELECT wf.*, coalesce(pr.last_seq, 0) + 1 AS nxt
         FROM wf LEFT JOIN ordered_events_consumer.projection pr ON pr.flow_id = wf.flow_id),
     ws AS (
         SELECT
-            CASE WHEN NOT EXISTS(SELECT 1 FROM ordered_events_consumer.inbox i
-                                 WHERE i.flow_id = wn.flow_id AND i.state <> 'applied') THEN 'idle'
-                 ELSE coalesce((SELECT i.state FROM ordered_events_consumer.inbox i
-                                WHERE i.flow_id = wn.flow_id AND i.seq = wn.nxt), 'gap')
-            END AS after_state,
-            CASE WHEN NOT (wn.had OR EXISTS(SELECT 1 FROM ordered_events_consumer.inbox i
-                                            WHERE i.flow_id = wn.flow_id AND i.state <> 'applied'
-                                              AND i.seq <> ALL(wn.seqs))) THEN 'idle'
-                 WHEN coalesce(wn.applied_from, wn.nxt) = ANY(wn.seqs)
-                     THEN coalesce((SELECT wc.was_state FROM wc WHERE wc.flow_id = wn.flow_id
-                                      AND wc.seq = coalesce(wn.applied_from, wn.nxt)), 'gap')
-                 ELSE coalesce((SELECT i.state FROM ordered_events_consumer.inbox i
-                                WHERE i.flow_id = wn.flow_id AND i.seq = wn.nxt), 'gap')
+            CASE WHEN lo.seq IS NULL THEN 'idle' WHEN lo.seq = wn.nxt THEN lo.state ELSE 'gap' END AS after_state,
+            CASE WHEN wn.was_lowest IS NULL AND un.seq IS NULL THEN 'idle'
+                 WHEN wn.was_lowest IS NOT NULL AND (un.seq IS NULL OR wn.was_lowest < un.seq)
+                     THEN CASE WHEN wn.was_lowest = coalesce(wn.applied_from, wn.nxt)
+                               THEN wn.was_lowest_state ELSE 'gap' END
+                 WHEN un.seq = coalesce(wn.applied_from, wn.nxt) THEN un.state
+                 ELSE 'gap'
             END AS before_state
-        FROM wn)
+        FROM wn
+        LEFT JOIN LATERAL (
+            SELECT i.seq, i.state FROM ordered_events_consumer.inbox i
+            WHERE i.flow_id = wn.flow_id AND i.state <> 'applied' ORDER BY i.seq LIMIT 1) lo ON true
+        LEFT JOIN LATERAL (
+            SELECT i.seq, i.state FROM ordered_events_consumer.inbox i
+            WHERE i.flow_id = wn.flow_id AND i.state <> 'applied' AND i.seq <> ALL(wn.seqs)
+            ORDER BY i.seq LIMIT 1) un ON true)
     SELECT count(*) FILTER (WHERE after_state = 'gap') - count(*) FILTER (WHERE before_state = 'gap'),
            count(*) FILTER (WHERE after_state = 'pending') - count(*) FILTER (WHERE before_state = 'pending')
       INTO gap_d, ready_d FROM ws;
