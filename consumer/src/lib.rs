@@ -12,5 +12,6 @@ pub mod rules;
 pub mod service;
 pub mod storage;
 pub mod store;
+pub mod waiting;
 
 pub use service::{Config, ConsumerService, run};

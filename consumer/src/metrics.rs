@@ -1,11 +1,9 @@
 //! The consumer's Prometheus metrics: `Receive` answers by outcome, `Apply` stops by why and
 //! the commit→applied latency of each applied event (bumped where they are decided or
 //! committed: a few atomic adds each), and, per scrape, the inbox backlog read from the
-//! store's counters (`backlog.unapplied` and the blocked rows by reason, kept exact in the
-//! same transactions as the rows) plus a walk of at most
-//! [`WAITING_WALK_LIMIT`](crate::store::WAITING_WALK_LIMIT) waiting flows that tells a gap
-//! from a ready flow, through a connection of the scrape's own (never a full `COUNT(*)`,
-//! never the writer's lock).
+//! store's counters (unapplied rows, and the waiting flows by state: gap, ready and blocked
+//! by reason), kept exact in the same transactions as the rows, through a connection of the
+//! scrape's own (one row read: never a `COUNT(*)`, never a walk, never the writer's lock).
 
 use std::sync::Arc;
 
@@ -113,8 +111,8 @@ pub fn exposition(store: &ConsumerStore, cap: Option<u64>) -> Exposition {
             value: unapplied as f64,
         }];
         let waiting = "ordered_events_consumer_flows_waiting";
-        let waiting_help = "Flows with unapplied rows by why they wait: blocked_* (exact, the stored reason), \
-             gap and ready (from a walk of at most 10000 waiting flows, see _walk_truncated).";
+        let waiting_help = "Flows with unapplied rows by why they wait: gap (the next seq is missing), ready \
+             (the next seq is stored and pending), blocked_* (the next seq is blocked, by the stored reason).";
         for (state, value) in [("gap", counts.gap), ("ready", counts.ready)] {
             gauges.push(GaugeSample {
                 name: waiting,
@@ -131,13 +129,6 @@ pub fn exposition(store: &ConsumerStore, cap: Option<u64>) -> Exposition {
                 value: value as f64,
             });
         }
-        gauges.push(GaugeSample {
-            name: "ordered_events_consumer_flows_waiting_walk_truncated",
-            help: "1 when the scrape's walk of waiting flows stopped at 10000 flows while more wait \
-                   (gap and ready then count only the first 10000 in flow_id order).",
-            labels: Vec::new(),
-            value: if counts.truncated { 1.0 } else { 0.0 },
-        });
         if let Some(cap) = cap {
             gauges.push(GaugeSample {
                 name: "ordered_events_consumer_backlog_cap",

@@ -570,8 +570,7 @@ impl ConsumerStore {
         }
     }
 
-    /// The backlog's counters and a bounded walk of the waiting flows, as the metrics
-    /// scrape reads them (see [`BacklogReader`]).
+    /// The backlog's counters, as the metrics scrape reads them (see [`BacklogReader`]).
     pub async fn backlog_counts(&self) -> Result<BacklogCounts> {
         match self {
             ConsumerStore::Sqlite(s) => s.backlog_counts().await,
@@ -579,7 +578,7 @@ impl ConsumerStore {
         }
     }
 
-    /// A reader of the backlog counters and the bounded walk for the metrics scrape, which
+    /// A reader of the backlog counters for the metrics scrape, which
     /// runs on a blocking thread: on SQLite a read-only connection of its own (never the
     /// writer's lock), on PostgreSQL a pooled connection.
     pub fn backlog_reader(&self) -> BacklogReader {
@@ -618,28 +617,19 @@ impl ConsumerStore {
     }
 }
 
-/// How many waiting flows the scrape's walk looks at, at most.
-pub const WAITING_WALK_LIMIT: usize = 10_000;
-
 /// What the metrics scrape reads about the backlog: counters kept exact in the same
-/// transactions as the rows, and a walk of at most [`WAITING_WALK_LIMIT`] waiting flows.
+/// transactions as the rows they count (never a count over the rows per scrape).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BacklogCounts {
-    /// Unapplied (pending + blocked) rows (exact).
+    /// Unapplied (pending + blocked) rows.
     pub unapplied: u64,
-    /// Blocked rows by reason, in [`BLOCK_REASONS`] order (exact). A blocked row is always
-    /// its flow's next seq, so this is also the number of flows blocked for each reason.
+    /// Blocked rows by reason, in [`BLOCK_REASONS`] order. A blocked row is always its
+    /// flow's next seq, so this is also the number of flows blocked for each reason.
     pub blocked: [u64; 3],
-    /// Waiting flows whose next seq is missing while a later one is stored, among the walked.
+    /// Flows with unapplied rows whose next seq (last applied + 1) is not stored.
     pub gap: u64,
-    /// Waiting flows whose next seq is stored and pending (an Apply would move them), among
-    /// the walked.
+    /// Flows whose next seq is stored and pending (an Apply would move them).
     pub ready: u64,
-    /// Flows the walk looked at.
-    pub walked: u64,
-    /// The walk stopped at [`WAITING_WALK_LIMIT`] while more flows wait (gap and ready then
-    /// count only the first flows in flow_id order).
-    pub truncated: bool,
 }
 
 /// The block reasons in the order [`BacklogCounts::blocked`] keeps them.

@@ -20,8 +20,8 @@ use tokio_postgres::types::ToSql;
 use super::{
     Admission, Backlog, BacklogCounts, BacklogReader, BatchAnswer, CompactReport, EffectRecord, FlowRun,
     FlowView, Identity, InboxRecord, InboxState, Incoming, Next, RawInbox, ReceiveContext, ReceiveOutcome,
-    Received, Result, StepOutcome, StoreError, StoredBody, WAITING_WALK_LIMIT, checked_projection,
-    commit_lag_us, reports, settle,
+    Received, Result, StepOutcome, StoreError, StoredBody, checked_projection, commit_lag_us, reports,
+    settle,
 };
 use crate::apply::{ApplyOptions, FlowResult, Stop};
 use crate::rules::{BlockReason, Decision, Projection, decide_next};
@@ -38,9 +38,9 @@ macro_rules! inbox_columns {
 pub const KIND: PgKind = PgKind {
     name: "consumer",
     schema: "ordered_events_consumer",
-    version: 4,
+    version: 5,
     ddl: DDL,
-    upgrades: &[UPGRADE_TO_2, UPGRADE_TO_3, UPGRADE_TO_4],
+    upgrades: &[UPGRADE_TO_2, UPGRADE_TO_3, UPGRADE_TO_4, UPGRADE_TO_5],
 };
 
 /// Connections in the pool: the Receive writer, the appliers (Apply, auto-apply), readers
@@ -286,9 +286,174 @@ ALTER TABLE inbox SET (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_
 }
 const UPGRADE_TO_4: &str = upgrade_to_4!();
 
-/// The schema (version 4): version 2's, then the upgrades to 3 and 4, so a new schema and an
-/// upgraded one are the same.
-const DDL: &str = concat!(ddl_v2!(), upgrade_to_3!(), upgrade_to_4!());
+/// How one statement's inbox changes moved the gap and ready counts: `wc(flow_id, seq,
+/// was_state, now_state)` (a state is NULL where the row was or is absent) is defined by the
+/// trigger, and this computes `gap_d` and `ready_d`. Each touched flow's waiting state is read
+/// now and, for before the statement, rebuilt from the changes: the rows it applied start at
+/// the flow's next seq before it (so that is where it was), the changed rows take their old
+/// states and inserted rows are not there. A flow's state follows from its lowest unapplied
+/// row (no unapplied row is below the next seq), so each flow costs two probes of the partial
+/// index `inbox_unapplied` (its lowest unapplied row now, and its lowest one the statement did
+/// not touch) and one of its projection. The same rules as [`crate::waiting`]: idle (no
+/// unapplied row), gap (the next seq not stored), ready (stored and pending), blocked.
+/// Run after the statement took the backlog row's lock, so the flows' rows and projections
+/// it reads are final for every transaction that committed before it, and no other
+/// transaction moves a waiting state until this one ends.
+macro_rules! waiting_delta {
+    () => {
+        r#"
+    wf AS (
+        SELECT flow_id,
+               min(seq) FILTER (WHERE was_state <> 'applied' AND now_state = 'applied') AS applied_from,
+               array_agg(seq) AS seqs,
+               min(seq) FILTER (WHERE was_state <> 'applied') AS was_lowest,
+               (array_agg(was_state ORDER BY seq) FILTER (WHERE was_state <> 'applied'))[1] AS was_lowest_state
+        FROM wc GROUP BY flow_id),
+    wn AS (
+        SELECT wf.*, coalesce(pr.last_seq, 0) + 1 AS nxt
+        FROM wf LEFT JOIN ordered_events_consumer.projection pr ON pr.flow_id = wf.flow_id),
+    ws AS (
+        SELECT
+            CASE WHEN lo.seq IS NULL THEN 'idle' WHEN lo.seq = wn.nxt THEN lo.state ELSE 'gap' END AS after_state,
+            CASE WHEN wn.was_lowest IS NULL AND un.seq IS NULL THEN 'idle'
+                 WHEN wn.was_lowest IS NOT NULL AND (un.seq IS NULL OR wn.was_lowest < un.seq)
+                     THEN CASE WHEN wn.was_lowest = coalesce(wn.applied_from, wn.nxt)
+                               THEN wn.was_lowest_state ELSE 'gap' END
+                 WHEN un.seq = coalesce(wn.applied_from, wn.nxt) THEN un.state
+                 ELSE 'gap'
+            END AS before_state
+        FROM wn
+        LEFT JOIN LATERAL (
+            SELECT i.seq, i.state FROM ordered_events_consumer.inbox i
+            WHERE i.flow_id = wn.flow_id AND i.state <> 'applied' ORDER BY i.seq LIMIT 1) lo ON true
+        LEFT JOIN LATERAL (
+            SELECT i.seq, i.state FROM ordered_events_consumer.inbox i
+            WHERE i.flow_id = wn.flow_id AND i.state <> 'applied' AND i.seq <> ALL(wn.seqs)
+            ORDER BY i.seq LIMIT 1) un ON true)
+    SELECT count(*) FILTER (WHERE after_state = 'gap') - count(*) FILTER (WHERE before_state = 'gap'),
+           count(*) FILTER (WHERE after_state = 'pending') - count(*) FILTER (WHERE before_state = 'pending')
+      INTO gap_d, ready_d FROM ws;
+    IF gap_d <> 0 OR ready_d <> 0 THEN
+        UPDATE ordered_events_consumer.waiting_flows
+        SET gap = gap + gap_d, ready = ready + ready_d WHERE id = 1;
+    END IF;
+"#
+    };
+}
+
+/// One counter trigger function: `$counts` sets the statement's net change of unapplied rows
+/// and of blocked rows by reason (`n`, `s`, `p`, `t`), the counter row's UPDATE adds it
+/// (and takes the row's lock), then the waiting flows' change ([`waiting_delta`]) is counted
+/// from the statement's changed rows, `$changes`.
+macro_rules! counter_function {
+    ($name:literal, $counts:literal, $changes:literal) => {
+        concat!(
+            "CREATE OR REPLACE FUNCTION ",
+            $name,
+            "() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE n BIGINT; s BIGINT; p BIGINT; t BIGINT; gap_d BIGINT; ready_d BIGINT;
+BEGIN",
+            $counts,
+            "
+    IF n <> 0 OR s <> 0 OR p <> 0 OR t <> 0 THEN
+        UPDATE ordered_events_consumer.backlog SET unapplied = unapplied + n,
+            blocked_unsupported_schema = blocked_unsupported_schema + s,
+            blocked_invalid_payload = blocked_invalid_payload + p,
+            blocked_invalid_transition = blocked_invalid_transition + t
+        WHERE id = 1;
+    WITH wc AS (",
+            $changes,
+            "),",
+            waiting_delta!(),
+            "
+    END IF;
+    RETURN NULL;
+END $$;
+"
+        )
+    };
+}
+
+/// Version 4 to 5: `waiting_flows` counts the flows waiting at a gap and the ready ones, kept
+/// exact by the same statement triggers as the backlog counters (one UPDATE of its row when a
+/// statement moved one, see [`waiting_delta`], serialised by the backlog row's lock), so the
+/// metrics scrape reads them instead of walking the waiting flows. Every inbox writer is
+/// waited for first (`LOCK`): a transaction already inside the old trigger functions would not
+/// count its change. The counts start from the rows as they are (each waiting flow's lowest
+/// unapplied row against its projection, once). A table of its own rather than columns of
+/// `backlog`: altering `backlog` needs a lock that a running Receive (holding `backlog` for
+/// its cap, then queued behind the inbox lock) would deadlock with. An inbox row's flow_id and
+/// seq never change, and every change of an unapplied row's state moves one of the backlog
+/// counters, so those statements are the ones looked at.
+macro_rules! upgrade_to_5 {
+    () => {
+        concat!(
+            r#"
+LOCK TABLE inbox IN SHARE ROW EXCLUSIVE MODE;
+CREATE TABLE waiting_flows(
+    id INTEGER PRIMARY KEY CHECK(id = 1),
+    gap BIGINT NOT NULL CHECK(gap >= 0),
+    ready BIGINT NOT NULL CHECK(ready >= 0)
+);
+WITH w AS (
+         SELECT DISTINCT ON (flow_id) flow_id, seq AS lowest, state FROM inbox
+         WHERE state <> 'applied' ORDER BY flow_id, seq),
+     c AS (
+         SELECT count(*) FILTER (WHERE w.lowest > coalesce(pr.last_seq, 0) + 1) AS gap,
+                count(*) FILTER (WHERE w.lowest = coalesce(pr.last_seq, 0) + 1 AND w.state = 'pending') AS ready
+         FROM w LEFT JOIN projection pr ON pr.flow_id = w.flow_id)
+INSERT INTO waiting_flows(id, gap, ready) SELECT 1, c.gap, c.ready FROM c;
+"#,
+            counter_function!(
+                "backlog_inserted",
+                "
+    SELECT count(*) FILTER (WHERE state <> 'applied'),
+           count(*) FILTER (WHERE reason = 'unsupported_schema'),
+           count(*) FILTER (WHERE reason = 'invalid_payload'),
+           count(*) FILTER (WHERE reason = 'invalid_transition')
+      INTO n, s, p, t FROM added;",
+                "SELECT flow_id, seq, NULL::text AS was_state, state AS now_state FROM added"
+            ),
+            counter_function!(
+                "backlog_updated",
+                "
+    SELECT count(*) FILTER (WHERE state <> 'applied'),
+           count(*) FILTER (WHERE reason = 'unsupported_schema'),
+           count(*) FILTER (WHERE reason = 'invalid_payload'),
+           count(*) FILTER (WHERE reason = 'invalid_transition')
+      INTO n, s, p, t FROM after_rows;
+    SELECT n - count(*) FILTER (WHERE state <> 'applied'),
+           s - count(*) FILTER (WHERE reason = 'unsupported_schema'),
+           p - count(*) FILTER (WHERE reason = 'invalid_payload'),
+           t - count(*) FILTER (WHERE reason = 'invalid_transition')
+      INTO n, s, p, t FROM before_rows;",
+                "SELECT a.flow_id, a.seq, b.state AS was_state, a.state AS now_state
+         FROM (SELECT * FROM before_rows WHERE state <> 'applied') b
+         JOIN after_rows a ON a.event_id = b.event_id
+         WHERE a.state IS DISTINCT FROM b.state OR a.reason IS DISTINCT FROM b.reason
+         UNION ALL
+         SELECT a.flow_id, a.seq, b.state, a.state
+         FROM (SELECT * FROM after_rows WHERE state <> 'applied') a
+         JOIN before_rows b ON b.event_id = a.event_id AND b.state = 'applied'"
+            ),
+            counter_function!(
+                "backlog_deleted",
+                "
+    SELECT -count(*) FILTER (WHERE state <> 'applied'),
+           -count(*) FILTER (WHERE reason = 'unsupported_schema'),
+           -count(*) FILTER (WHERE reason = 'invalid_payload'),
+           -count(*) FILTER (WHERE reason = 'invalid_transition')
+      INTO n, s, p, t FROM removed;",
+                "SELECT flow_id, seq, state AS was_state, NULL::text AS now_state FROM removed"
+            )
+        )
+    };
+}
+const UPGRADE_TO_5: &str = upgrade_to_5!();
+
+/// The schema (version 5): version 2's, then the upgrades to 3, 4 and 5, so a new schema and
+/// an upgraded one are the same.
+const DDL: &str = concat!(ddl_v2!(), upgrade_to_3!(), upgrade_to_4!(), upgrade_to_5!());
 
 impl From<tokio_postgres::Error> for StoreError {
     /// A deadlock or serialization failure aborted the transaction (retryable, as a whole
@@ -870,14 +1035,12 @@ impl PgStore {
         let client = self.pool.get().await?;
         // One statement: one snapshot.
         let stmt = client.prepare_cached(BACKLOG_COUNTS_SQL).await?;
-        let r = client.query_one(&stmt, &[&big(WAITING_WALK_LIMIT as u64)]).await?;
+        let r = client.query_one(&stmt, &[]).await?;
         Ok(BacklogCounts {
             unapplied: unsigned(r.get(0)),
             blocked: [unsigned(r.get(1)), unsigned(r.get(2)), unsigned(r.get(3))],
-            walked: unsigned(r.get(4)),
+            gap: unsigned(r.get(4)),
             ready: unsigned(r.get(5)),
-            gap: unsigned(r.get(6)),
-            truncated: r.get(7),
         })
     }
 
@@ -926,23 +1089,11 @@ impl PgStore {
     }
 }
 
-/// The backlog counters (kept exact by the triggers) and a walk of the first `$1` waiting
-/// flows in flow_id order, each with its lowest unapplied row (read from the partial index
-/// `inbox_unapplied`) and its projection: how many, how many are ready (the lowest is the
-/// next seq, pending), how many wait at a gap, and whether another waiting flow sorts after
-/// the last one walked.
-const BACKLOG_COUNTS_SQL: &str = "WITH w AS (
-         SELECT DISTINCT ON (flow_id) flow_id, seq AS lowest, state FROM inbox
-         WHERE state <> 'applied' ORDER BY flow_id, seq LIMIT $1),
-     s AS (
-         SELECT count(*) AS walked, max(w.flow_id) AS last,
-                count(*) FILTER (WHERE w.lowest = coalesce(p.last_seq, 0) + 1 AND w.state = 'pending') AS ready,
-                count(*) FILTER (WHERE w.lowest > coalesce(p.last_seq, 0) + 1) AS gap
-         FROM w LEFT JOIN projection p ON p.flow_id = w.flow_id)
-     SELECT b.unapplied, b.blocked_unsupported_schema, b.blocked_invalid_payload,
-            b.blocked_invalid_transition, s.walked, s.ready, s.gap,
-            EXISTS(SELECT 1 FROM inbox WHERE state <> 'applied' AND flow_id > s.last)
-     FROM backlog b, s WHERE b.id = 1";
+/// The backlog counters, kept exact by the triggers (one row read).
+const BACKLOG_COUNTS_SQL: &str =
+    "SELECT b.unapplied, b.blocked_unsupported_schema, b.blocked_invalid_payload,
+            b.blocked_invalid_transition, w.gap, w.ready FROM backlog b, waiting_flows w
+     WHERE b.id = 1 AND w.id = 1";
 
 /// Fails every flow not yet done with `e` (no transaction could be had).
 fn fail_rest(runs: &mut [FlowRun], e: StoreError, opts: &ApplyOptions) {

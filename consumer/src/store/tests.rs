@@ -628,7 +628,8 @@ async fn the_committed_time_is_kept_beside_the_row_and_measured_at_apply() {
 }
 
 /// The scrape's backlog counts: blocked rows by reason kept exact through blocking,
-/// re-evaluation to another reason and applying, and the walk telling a gap from a ready flow.
+/// re-evaluation to another reason and applying, and the gap and ready flows through a gap
+/// filled, a ready flow applied and a blocked one unblocked.
 #[tokio::test(flavor = "multi_thread")]
 async fn backlog_counts_tell_gap_blocked_and_ready() {
     for (store, _keep) in stores("c_backlog_counts").await {
@@ -644,8 +645,8 @@ async fn backlog_counts_tell_gap_blocked_and_ready() {
             apply(&store, flow, 10, ApplyOptions::default()).await;
         }
         let counts = store.backlog_counts().await.unwrap();
-        let expected =
-            BacklogCounts { unapplied: 6, blocked: [2, 1, 0], gap: 1, ready: 1, walked: 5, truncated: false };
+        let expected = BacklogCounts { unapplied: 6, blocked: [2, 1, 0], gap: 1, ready: 1 };
+        assert_eq!(truth(&store).await, (1, 1), "{b}");
         assert_eq!(counts, expected, "{b}");
         // Applying again with the same decoder changes nothing.
         apply(&store, "B", 10, ApplyOptions::default()).await;
@@ -659,38 +660,120 @@ async fn backlog_counts_tell_gap_blocked_and_ready() {
         apply(&store, "R", 10, ApplyOptions::default()).await;
         receive(&store, reference("G", 1)).await;
         let counts = store.backlog_counts().await.unwrap();
-        assert_eq!(
-            counts,
-            BacklogCounts { unapplied: 4, blocked: [0, 2, 0], gap: 0, ready: 1, walked: 3, truncated: false },
-            "{b}"
-        );
+        assert_eq!(counts, BacklogCounts { unapplied: 4, blocked: [0, 2, 0], gap: 0, ready: 1 }, "{b}");
         assert_eq!(counts.unapplied, store.unapplied_count().await.unwrap(), "{b}");
+        assert_eq!(truth(&store).await, (0, 1), "{b}");
     }
 }
 
-/// The walk stops at its bound and says so: with more waiting flows than it looks at, gap
-/// and ready count only the first ones, and `truncated` is set.
+/// The gap and ready flows read off the rows themselves (each waiting flow's lowest unapplied
+/// row against its projection), to check the counters against.
+async fn truth(store: &ConsumerStore) -> (u64, u64) {
+    let (flows, _) = store.backlog(100_000).await.unwrap();
+    let gap = flows.iter().filter(|f| f.lowest.seq > f.projection.next_seq()).count();
+    let ready = flows
+        .iter()
+        .filter(|f| f.lowest.seq == f.projection.next_seq() && f.lowest.state == InboxState::Pending)
+        .count();
+    (gap as u64, ready as u64)
+}
+
+/// Asserts the counters equal the rows' truth, and that the states add up to the waiting flows.
+async fn assert_exact(store: &ConsumerStore, what: &str) -> BacklogCounts {
+    let counts = store.backlog_counts().await.unwrap();
+    let (flows, _) = store.backlog(100_000).await.unwrap();
+    assert_eq!((counts.gap, counts.ready), truth(store).await, "{} {what}: {counts:?}", store.backend());
+    assert_eq!(
+        counts.gap + counts.ready + counts.blocked.iter().sum::<u64>(),
+        flows.len() as u64,
+        "{} {what}: every waiting flow in exactly one state",
+        store.backend()
+    );
+    counts
+}
+
+/// Gap and ready stay exact through multi-row batches (the fast paths on PostgreSQL) and
+/// grouped applies that move many flows at once: a flow of each shape (ready, gap, ready with
+/// a gap behind it, gap filled in the same batch), then applied, then the missing seqs.
 #[tokio::test(flavor = "multi_thread")]
-async fn the_waiting_walk_is_bounded() {
-    for (store, _keep) in stores("c_walk_bound").await {
-        let b = store.backend();
-        let n = WAITING_WALK_LIMIT + 2;
-        let stream = Arc::new(StreamState::default());
-        let events: Vec<(Event, Arc<StreamState>)> =
-            (0..n).map(|i| (reference(&format!("W{i:05}"), 1), Arc::clone(&stream))).collect();
-        for chunk in events.chunks(2_000) {
-            let answers = batch(&store, chunk.to_vec(), Admission::Unlimited).await;
-            assert!(answers.iter().all(|a| a == "Accepted"), "{b}");
-        }
-        let counts = store.backlog_counts().await.unwrap();
-        assert_eq!(counts.unapplied, n as u64, "{b}");
-        assert_eq!(
-            (counts.walked, counts.ready, counts.gap),
-            (WAITING_WALK_LIMIT as u64, WAITING_WALK_LIMIT as u64, 0),
-            "{b}"
-        );
-        assert!(counts.truncated, "{b}");
+async fn gap_and_ready_stay_exact_through_batches_and_groups() {
+    for (store, _keep) in stores("c_gap_ready").await {
+        let s = Arc::new(StreamState::default());
+        let flows: Vec<String> = (0..120).map(|i| format!("F{i:03}")).collect();
+        let shape = |i: usize| -> &'static [u64] {
+            match i % 5 {
+                0 => &[1],
+                1 => &[2],
+                2 => &[1, 3],
+                3 => &[3, 1, 2],
+                _ => &[2, 3],
+            }
+        };
+        let events = flows
+            .iter()
+            .enumerate()
+            .flat_map(|(i, f)| shape(i).iter().map(|&seq| (reference(f, seq), Arc::clone(&s))))
+            .collect();
+        assert!(batch(&store, events, Admission::Unlimited).await.iter().all(|w| w == "Accepted"));
+        let counts = assert_exact(&store, "after the first batch").await;
+        assert_eq!((counts.gap, counts.ready), (48, 72), "{}", store.backend());
+        // One envelope at a time too (the step-by-step receive).
+        receive(&store, reference("Z", 2)).await;
+        receive(&store, reference("Z", 3)).await;
+        assert_exact(&store, "a gap flow").await;
+        receive(&store, reference("Z", 1)).await;
+        assert_exact(&store, "its gap filled").await;
+        let opts = ApplyOptions { max_batch: 7, ..ApplyOptions::default() };
+        store.apply_flows(flows.clone(), 1, opts).await;
+        assert_exact(&store, "one step each").await;
+        store.apply_flows(flows.clone(), 100, opts).await;
+        let counts = assert_exact(&store, "applied").await;
+        assert_eq!((counts.gap, counts.ready), (72, 1), "{}", store.backend());
+        let missing = flows
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| matches!(i % 5, 1 | 2 | 4))
+            .map(|(i, f)| (reference(f, if i % 5 == 2 { 2 } else { 1 }), Arc::clone(&s)))
+            .collect();
+        assert!(batch(&store, missing, Admission::Unlimited).await.iter().all(|w| w == "Accepted"));
+        let counts = assert_exact(&store, "gaps filled").await;
+        assert_eq!((counts.gap, counts.ready), (0, 73), "{}", store.backend());
+        store.apply_flows(flows.iter().chain([&"Z".to_owned()]).cloned().collect(), 100, opts).await;
+        assert_eq!(assert_exact(&store, "all applied").await, BacklogCounts::default());
     }
+}
+
+/// PostgreSQL: two stores on one database (two instances) receiving and applying the same
+/// flows at once keep gap and ready exact.
+#[tokio::test(flavor = "multi_thread")]
+async fn pg_instances_racing_keep_gap_and_ready_exact() {
+    let Some(db) = TestDb::create("c_gap_ready_race") else { return };
+    let target: DbTarget = db.url().parse().unwrap();
+    let one = ConsumerStore::open(&target).await.unwrap();
+    let two = ConsumerStore::open(&target).await.unwrap();
+    let flows: Vec<String> = (0..60).map(|i| format!("R{i:02}")).collect();
+    let opts = ApplyOptions { max_batch: 16, ..ApplyOptions::default() };
+    let reversed: Vec<String> = flows.iter().rev().cloned().collect();
+    let s = Arc::new(StreamState::default());
+    let part = |seq: u64| flows.iter().map(|f| (reference(f, seq), Arc::clone(&s))).collect::<Vec<_>>();
+    // Seq 2 on one instance and seq 1 on the other while both apply.
+    let (a, b, _, _) = tokio::join!(
+        batch(&one, part(2), Admission::Unlimited),
+        batch(&two, part(1), Admission::Unlimited),
+        one.apply_flows(flows.clone(), 100, opts),
+        two.apply_flows(reversed.clone(), 100, opts),
+    );
+    assert!(a.iter().chain(&b).all(|w| w == "Accepted"), "{a:?} {b:?}");
+    assert_exact(&one, "receiving and applying at once").await;
+    let (a, _, _) = tokio::join!(
+        batch(&one, part(3), Admission::Unlimited),
+        one.apply_flows(flows.clone(), 100, opts),
+        two.apply_flows(reversed.clone(), 100, opts),
+    );
+    assert!(a.iter().all(|w| w == "Accepted"), "{a:?}");
+    assert_exact(&two, "the last seqs").await;
+    tokio::join!(one.apply_flows(flows.clone(), 100, opts), two.apply_flows(reversed, 100, opts));
+    assert_eq!(assert_exact(&one, "all applied").await, BacklogCounts::default());
 }
 
 /// PostgreSQL: a version 2 schema with rows a version 2 build wrote (one pending, one blocked)
@@ -729,10 +812,7 @@ async fn pg_a_version_2_schema_is_upgraded_and_keeps_its_counts() {
 
     let store = ConsumerStore::open(&target).await.unwrap();
     let counts = store.backlog_counts().await.unwrap();
-    assert_eq!(
-        counts,
-        BacklogCounts { unapplied: 2, blocked: [1, 0, 0], gap: 0, ready: 1, walked: 2, truncated: false }
-    );
+    assert_eq!(counts, BacklogCounts { unapplied: 2, blocked: [1, 0, 0], gap: 0, ready: 1 });
     assert_eq!(store.flow("A".into()).await.unwrap().inbox[0].committed_at_us, None);
     let now = runtime::now_us();
     assert_eq!(

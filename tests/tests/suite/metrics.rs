@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use harness::backend::Backend;
 use harness::background::{RelayDaemon, wait_for};
+use harness::proc::{ServerProcess, server_args};
 use harness::scrape::{Metrics, get, metrics_addr};
 use harness::{Consumer, Producer, Workdir, advance, db, envelope};
 use proto::pb::{AdvanceOutcome, ApplyStop, ReceiveOutcome};
@@ -185,7 +186,11 @@ async fn metrics_count_what_the_pipeline_answered() {
     assert_eq!(waiting("ready"), 1.0);
     assert_eq!(waiting("blocked_unsupported_schema"), 1.0);
     assert_eq!(waiting("blocked_invalid_payload") + waiting("blocked_invalid_transition"), 0.0);
-    assert_eq!(m.get("ordered_events_consumer_flows_waiting_walk_truncated", &[]), 0.0);
+    assert_eq!(
+        m.value("ordered_events_consumer_flows_waiting_walk_truncated", &[]),
+        None,
+        "no walk, no gauge"
+    );
     // The four events the relay delivered and Apply applied (A1..A3, B1) carried their
     // committed time; each is one observation, from its Advance's commit to its Apply.
     let lag = |what: &str| m.get(&format!("ordered_events_consumer_commit_to_applied_seconds_{what}"), &[]);
@@ -200,4 +205,102 @@ async fn metrics_count_what_the_pipeline_answered() {
     // A scraper that does not ask for OpenMetrics gets the classic text format.
     let (status, content_type, _) = get(&consumer_metrics, "/metrics").await;
     assert_eq!((status, content_type.as_str()), (200, "text/plain; version=0.0.4; charset=utf-8"));
+}
+
+/// A consumer with `--metrics-listen` (and `extra` flags) on the workdir's database.
+fn metrics_consumer(work: &Workdir, log: &str, extra: &[&str]) -> (Consumer, String) {
+    let db = work.consumer_db();
+    let mut flags = METRICS.to_vec();
+    flags.extend_from_slice(extra);
+    let process = ServerProcess::start("consumer", &server_args(&db, &flags), &[], work.path(log));
+    let consumer = Consumer { process, db };
+    let addr = addr_in(|| consumer.process.log_text());
+    (consumer, addr)
+}
+
+/// The waiting flows by state as scraped (gap, ready, blocked by reason in the order
+/// unsupported_schema, invalid_payload, invalid_transition) and the unapplied rows.
+async fn waiting(addr: &str) -> ([f64; 5], f64) {
+    let m = Metrics::scrape(addr).await;
+    let state = |s| m.get("ordered_events_consumer_flows_waiting", &[("state", s)]);
+    let states = [
+        state("gap"),
+        state("ready"),
+        state("blocked_unsupported_schema"),
+        state("blocked_invalid_payload"),
+        state("blocked_invalid_transition"),
+    ];
+    (states, m.get("ordered_events_consumer_inbox_unapplied", &[]))
+}
+
+/// The waiting-flow gauges are exact counts, not a sample: flows move gap → ready → applied,
+/// ready → blocked, blocked → re-evaluated → applied by a `--support-v2` consumer started on
+/// the same database (the counts survive the restart), and on PostgreSQL a second instance
+/// receiving into the same database moves the first one's gauges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_flows_are_counted_exactly_through_every_state() {
+    let Some(work) = Workdir::for_test() else { return };
+    let (mut consumer, addr) = metrics_consumer(&work, "consumer-v1.log", &[]);
+    let v1 = r#"{"amount":3}"#;
+    let v2 = r#"{"units":3}"#;
+    let accepted = |results: &[proto::pb::ReceiveResult]| {
+        assert!(results.iter().all(|r| r.outcome == ReceiveOutcome::Accepted as i32), "{results:?}")
+    };
+    // G waits at a gap (G2, G3); R, B (schema 2), V (schema 1 then 2) and W (schema 2 with a
+    // schema-1 payload) are ready: their first seq is stored, nothing applied yet.
+    accepted(
+        &consumer
+            .receive(vec![
+                envelope("G", 2, "confirmed", 1, v1),
+                envelope("G", 3, "released", 1, v1),
+                envelope("R", 1, "reserved", 1, v1),
+                envelope("R", 2, "confirmed", 1, v1),
+                envelope("B", 1, "reserved", 2, v2),
+                envelope("V", 1, "reserved", 1, v1),
+                envelope("V", 2, "confirmed", 2, v2),
+                envelope("W", 1, "reserved", 2, v1),
+            ])
+            .await,
+    );
+    assert_eq!(waiting(&addr).await, ([1.0, 4.0, 0.0, 0.0, 0.0], 8.0));
+    // A v1 consumer blocks B1, V2 (after applying V1) and W1: three ready flows now blocked.
+    for flow in ["B", "V", "W"] {
+        assert_eq!(consumer.apply(flow).await.stop, ApplyStop::Blocked as i32, "{flow}");
+    }
+    assert_eq!(waiting(&addr).await, ([1.0, 1.0, 3.0, 0.0, 0.0], 7.0));
+    // G1 fills G's gap: ready. Then G and R apply to the end: idle.
+    accepted(&consumer.receive(vec![envelope("G", 1, "reserved", 1, v1)]).await);
+    assert_eq!(waiting(&addr).await, ([0.0, 2.0, 3.0, 0.0, 0.0], 8.0));
+    assert_eq!(consumer.apply("G").await.applied, 3);
+    assert_eq!(consumer.apply("R").await.applied, 2);
+    assert_eq!(waiting(&addr).await, ([0.0, 0.0, 3.0, 0.0, 0.0], 3.0));
+    // R3 arrives ready, G5 behind a new gap (G4 missing).
+    accepted(
+        &consumer
+            .receive(vec![envelope("R", 3, "released", 1, v1), envelope("G", 5, "released", 1, v1)])
+            .await,
+    );
+    assert_eq!(waiting(&addr).await, ([1.0, 1.0, 3.0, 0.0, 0.0], 5.0));
+
+    // The same database under a --support-v2 consumer: the counts are as they were.
+    let stopped = consumer.process.terminate(DEADLINE);
+    assert!(stopped.success(), "{stopped:?}");
+    let (v2_consumer, v2_addr) = metrics_consumer(&work, "consumer-v2.log", &["--support-v2"]);
+    assert_eq!(waiting(&v2_addr).await, ([1.0, 1.0, 3.0, 0.0, 0.0], 5.0));
+    // B1 and V2 apply; W1 is re-evaluated (no `units` in its payload): blocked for another reason.
+    assert_eq!(v2_consumer.apply("B").await.applied, 1);
+    assert_eq!(v2_consumer.apply("V").await.applied, 1);
+    assert_eq!(v2_consumer.apply("W").await.stop, ApplyStop::Blocked as i32);
+    assert_eq!(waiting(&v2_addr).await, ([1.0, 1.0, 0.0, 1.0, 0.0], 3.0));
+    assert_eq!(v2_consumer.apply("R").await.applied, 1);
+    assert_eq!(waiting(&v2_addr).await, ([1.0, 0.0, 0.0, 1.0, 0.0], 2.0));
+
+    if work.backend() == harness::Backend::Postgres {
+        // A second instance on the same database fills G's gap; the first one's gauges move.
+        let (other, other_addr) = metrics_consumer(&work, "consumer-other.log", &[]);
+        accepted(&other.receive(vec![envelope("G", 4, "confirmed", 1, v1)]).await);
+        for addr in [&v2_addr, &other_addr] {
+            assert_eq!(waiting(addr).await, ([0.0, 1.0, 0.0, 1.0, 0.0], 3.0), "{addr}");
+        }
+    }
 }
