@@ -161,10 +161,16 @@ async fn compacted_rows_answer_redelivery_exactly() {
 #[tokio::test]
 async fn the_background_pass_compacts_applied_rows() {
     let Some(work) = Workdir::for_test() else { return };
-    let consumer = Consumer::start_with(&work, &["--retention", "0", "--auto-apply"]);
+    let consumer =
+        Consumer::start_with(&work, &["--retention", "0", "--auto-apply", "--metrics-listen", "127.0.0.1:0"]);
     assert!(
         consumer.process.log_text().contains("compaction of applied inbox rows"),
         "the loop says it runs"
+    );
+    let metrics = harness::background::wait_for(
+        Duration::from_secs(30),
+        || harness::scrape::metrics_addr(&consumer.process.log_text()),
+        || consumer.process.log_text(),
     );
     let answers = consumer.receive(reference_envelopes("A")).await;
     assert_eq!(outcomes(&answers), [ReceiveOutcome::Accepted; 3]);
@@ -182,6 +188,23 @@ async fn the_background_pass_compacts_applied_rows() {
     assert_eq!(outcomes(&again), [ReceiveOutcome::Duplicate; 3], "{again:?}");
     let log = consumer.process.log_text();
     assert!(log.contains("compacted applied inbox rows to tombstones"), "no pass logged:\n{log}");
+    // The metrics count each of the three rows once (a pass adds its rows right after its
+    // commit, so the last one may still be on its way), and the body bytes dropped.
+    let rows = |m: &harness::scrape::Metrics| {
+        m.get("ordered_events_consumer_compacted_rows_total", &[("table", "inbox")])
+    };
+    let counted = harness::background::poll_async(Duration::from_secs(30), async || {
+        let m = harness::scrape::Metrics::scrape(&metrics).await;
+        (rows(&m) >= 3.0).then_some(m)
+    })
+    .await;
+    let m = match counted {
+        Some(m) => m,
+        None => harness::scrape::Metrics::scrape(&metrics).await,
+    };
+    assert_eq!(rows(&m), 3.0, "each compacted row counted once");
+    let bytes = m.get("ordered_events_consumer_compacted_body_bytes_total", &[("table", "inbox")]);
+    assert!(bytes >= 3.0 * 50.0, "three canonical bodies of at least 50 bytes each: {bytes}");
 }
 
 /// `--compact-once` while a consumer serves the same database: the pass goes through the
