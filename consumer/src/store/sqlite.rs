@@ -1039,7 +1039,7 @@ pub fn unapplied_count(conn: &Connection) -> Result<u64> {
 /// The `backlog` counters inside one write transaction: `unapplied` read at most once (when
 /// the cap needs it), this transaction's changes of it, of the blocked rows by reason and of
 /// the gap and ready flows summed, and written once before the commit ([`Unapplied::write`],
-/// one UPDATE). [`insert_pending`], [`apply_step`] and the apply loop (its blocked marks, and
+/// one UPDATE). [`insert_pending`], [`apply_step_with`] and the apply loop (its blocked marks, and
 /// each flow's waiting state as read before and after its steps), the only writes that
 /// change how many rows are unapplied or blocked or what a flow waits for, take one, so the
 /// counters stay exact in the same transaction as the rows.
@@ -1234,14 +1234,12 @@ pub fn mark_blocked(tx: &Transaction<'_>, event_id: &str, reason: BlockReason) -
     Ok(changed == 1)
 }
 
-/// Inside the caller's `BEGIN IMMEDIATE` transaction, the applied step of SPEC §7: only if
-/// the stored projection is still `from` (checked by the guarded write itself, never
-/// trusting the caller's copy) updates it to `after`, inserts the effect and marks `row`
-/// applied (counted in `unapplied`). Any failure (a constraint, a trigger) is returned before
-/// commit, so the caller's rollback undoes all three. Crash points
-/// `consumer.apply.after_projection` and `.after_effect` sit inside.
+/// [`apply_step_with`] on statements of its own, for tests. It does not move the gap and
+/// ready counts, which the apply loop keeps from each flow's reads before and after its steps
+/// ([`close_flow`]); every apply of the service goes through that loop.
+#[cfg(test)]
 #[allow(clippy::too_many_arguments)]
-pub fn apply_step(
+fn apply_step(
     tx: &Transaction<'_>,
     row: &InboxRecord,
     from: &Projection,
@@ -1254,7 +1252,12 @@ pub fn apply_step(
     apply_step_with(&mut Held::new(tx), row, from, kind, after, crash, now_us, unapplied)
 }
 
-/// [`apply_step`] with the batch's held statements.
+/// Inside the caller's `BEGIN IMMEDIATE` transaction, with the batch's held statements, the
+/// applied step of SPEC §7: only if the stored projection is still `from` (checked by the
+/// guarded write itself, never trusting the caller's copy) updates it to `after`, inserts the effect and marks `row`
+/// applied (counted in `unapplied`). Any failure (a constraint, a trigger) is returned before
+/// commit, so the caller's rollback undoes all three. Crash points
+/// `consumer.apply.after_projection` and `.after_effect` sit inside.
 #[allow(clippy::too_many_arguments)]
 fn apply_step_with(
     held: &mut Held<'_>,
