@@ -3,7 +3,7 @@
 //! (applied, `apply`), served over gRPC as `ordered_events.v1.Consumer` (`service`).
 
 pub mod apply;
-pub mod compact;
+pub mod compaction;
 pub mod metrics;
 pub mod receive;
 pub mod request;

@@ -79,8 +79,8 @@ struct Args {
     /// Run one compaction pass now with the given --retention and exit: open the database
     /// (creating or upgrading its schema like a start), reduce every applied inbox row
     /// applied longer ago than the retention to its tombstone, print one JSON line on stdout
-    /// ({"compacted":N,"body_bytes":B,"batches":T}, on SQLite also pages_freed, size_before
-    /// and size_after in bytes) and exit 0, without serving. Safe while servers run on the
+    /// ({"compacted":N,"body_bytes":B,"batches":T,"retention":R}, on SQLite also pages_freed,
+    /// file_bytes_before and file_bytes_after) and exit 0, without serving. Safe while servers run on the
     /// same database.
     #[arg(long, env = "ORDERED_EVENTS_COMPACT_ONCE", action = ArgAction::SetTrue,
           value_parser = clap::builder::BoolishValueParser::new())]
@@ -100,8 +100,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let crash = proto::crash::CrashSwitch::from_env()?;
     if args.compact_once {
         let store = consumer::store::ConsumerStore::open(&args.db).await?;
-        let report = consumer::compact::compact_once(&store, args.retention.retention, crash, 0).await?;
-        println!("{}", report.json());
+        let retention = args.retention.retention;
+        let report = consumer::compaction::pass(&store, retention, crash, 0).await?.unwrap_or_default();
+        println!("{}", report.json_line(retention));
         return Ok(());
     }
     let service = consumer::ConsumerService::open(&consumer::Config {

@@ -69,29 +69,11 @@ pub static COMMIT_TO_APPLIED: Histogram = Histogram::seconds(
     None,
 );
 
-/// Applied inbox rows this process reduced to tombstones (retention), and the body bytes it
-/// dropped. Each row is counted by the one pass (of one instance) that compacted it.
-pub static COMPACTED: Counters<1> = Counters::new(
-    "ordered_events_consumer_compacted_rows",
-    "Applied inbox rows compacted to tombstones (body dropped, digest kept) by this process.",
-    "table",
-    ["inbox"],
-);
-
-/// The canonical body bytes dropped by compaction in this process.
-pub static COMPACTED_BYTES: Counters<1> = Counters::new(
-    "ordered_events_consumer_compacted_body_bytes",
-    "Bytes of canonical bodies dropped by compaction in this process.",
-    "table",
-    ["inbox"],
-);
-
-static FAMILIES: [&dyn Expose; 6] = [
+static FAMILIES: [&dyn Expose; 5] = [
     &RECEIVE_OUTCOMES,
     &APPLY_STOPS,
     &COMMIT_TO_APPLIED,
-    &COMPACTED,
-    &COMPACTED_BYTES,
+    &crate::compaction::METRICS,
     &runtime::batches::FAMILIES,
 ];
 

@@ -110,7 +110,7 @@ impl ConsumerService {
             storage: Some(storage),
         };
         storage.spawn_recovery(store.clone(), config.auto_apply.then_some(opts));
-        crate::compact::spawn(store.clone(), config.retention, config.crash);
+        crate::compaction::spawn(store.clone(), config.retention, config.crash);
         let writer = receive::spawn(
             store.clone(),
             WriterOptions {

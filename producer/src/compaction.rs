@@ -1,59 +1,46 @@
 //! Retention on the producer: the pass that reduces accepted outbox rows older than the
 //! retention to tombstones (through [`ProducerStore::compact`], bounded batches), and the
-//! background loop that runs it every [`Retention::pass_interval`]. A failing pass is logged
-//! and the loop goes on: compaction never stops the server and never loses a row.
+//! background loop that runs it. The loop, the log line, the `--compact-once` line and the
+//! metrics are the consumer's too ([`runtime::retention`]).
 
-use std::time::Duration;
+use runtime::retention::{COMPACT_BATCH, CompactReport, CompactionMetrics, KEEP_FREE_PAGES, Retention};
 
-use runtime::retention::{COMPACT_BATCH, Retention};
+use crate::store::{ProducerStore, StoreError};
 
-use crate::store::{CompactReport, ProducerStore, StoreError};
+/// The table this service compacts, as logged and labelled.
+const TABLE: &str = "outbox";
 
-/// One full pass at `retention` (`None` when it is `off`: nothing is compacted), leaving
-/// `keep_free_pages` free pages in a SQLite file for new rows (see
-/// [`runtime::retention::KEEP_FREE_PAGES`]; 0 gives every free page back).
+/// `ordered_events_producer_compacted_rows_total`, `…_compacted_body_bytes_total` and
+/// `…_compaction_failures_total`, labelled `table="outbox"`. Each row is counted by the one
+/// pass (of one instance) that compacted it.
+pub static METRICS: CompactionMetrics = CompactionMetrics::new(
+    [
+        "ordered_events_producer_compacted_rows",
+        "ordered_events_producer_compacted_body_bytes",
+        "ordered_events_producer_compaction_failures",
+    ],
+    TABLE,
+);
+
+/// One full pass at `retention`, counted and logged (`None` when it is `off`: nothing is
+/// compacted), leaving `keep_free_pages` free pages in a SQLite file for new rows (see
+/// [`KEEP_FREE_PAGES`]; 0 gives every free page back).
 pub async fn pass(
     store: &ProducerStore,
     retention: Retention,
     keep_free_pages: u64,
 ) -> Result<Option<CompactReport>, StoreError> {
-    let Some(cutoff_us) = retention.cutoff_us(runtime::now_us()) else { return Ok(None) };
-    store.compact(cutoff_us, COMPACT_BATCH, keep_free_pages).await.map(Some)
+    runtime::retention::run_pass(TABLE, retention, &METRICS, |cutoff_us| {
+        store.compact(cutoff_us, COMPACT_BATCH, keep_free_pages)
+    })
+    .await
 }
 
-/// Logs a pass: info when it compacted anything (rows, body bytes, and on SQLite the pages
-/// given back and the file size), debug when there was nothing to do.
-pub fn log_pass(report: &CompactReport, took: Duration) {
-    if report.compacted == 0 && report.pages_freed.unwrap_or(0) == 0 {
-        tracing::debug!(ms = took.as_millis() as u64, "compaction pass: nothing to compact");
-        return;
-    }
-    tracing::info!(
-        rows = report.compacted,
-        body_bytes = report.body_bytes,
-        batches = report.batches,
-        pages_freed = ?report.pages_freed,
-        file_bytes_before = ?report.file_bytes_before,
-        file_bytes_after = ?report.file_bytes_after,
-        ms = took.as_millis() as u64,
-        "compaction pass: outbox rows compacted to tombstones, space given back"
-    );
-}
-
-/// Starts the background loop (nothing when `retention` is `off`): a pass at once, then one
-/// every [`Retention::pass_interval`] after the previous one ended.
+/// Starts the background loop (nothing when `retention` is `off`; see
+/// [`runtime::retention::spawn_passes`]).
 pub fn spawn(store: ProducerStore, retention: Retention) -> Option<tokio::task::JoinHandle<()>> {
-    let interval = retention.pass_interval()?;
-    tracing::info!(%retention, interval_ms = interval.as_millis() as u64, "outbox compaction");
-    Some(tokio::spawn(async move {
-        loop {
-            let started = std::time::Instant::now();
-            match pass(&store, retention, runtime::retention::KEEP_FREE_PAGES).await {
-                Ok(Some(report)) => log_pass(&report, started.elapsed()),
-                Ok(None) => return,
-                Err(e) => tracing::warn!(error = %e, "compaction pass failed; the next pass tries again"),
-            }
-            tokio::time::sleep(interval).await;
-        }
-    }))
+    runtime::retention::spawn_passes(TABLE, retention, &METRICS, move |cutoff_us| {
+        let store = store.clone();
+        async move { store.compact(cutoff_us, COMPACT_BATCH, KEEP_FREE_PAGES).await }
+    })
 }

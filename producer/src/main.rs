@@ -81,12 +81,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
     })
     .await?;
     if args.compact_once {
-        let started = std::time::Instant::now();
         let report = producer::compaction::pass(service.store(), retention, 0).await?.unwrap_or_default();
-        producer::compaction::log_pass(&report, started.elapsed());
-        let mut line = serde_json::to_value(&report)?;
-        line["retention"] = serde_json::Value::String(retention.to_string());
-        println!("{line}");
+        println!("{}", report.json_line(retention));
         return Ok(());
     }
     let _compaction = producer::compaction::spawn(service.store().clone(), retention);

@@ -26,7 +26,8 @@ pub static ADVANCE_LATENCY: Histogram = Histogram::seconds(
     None,
 );
 
-static FAMILIES: [&dyn Expose; 3] = [&ADVANCE_OUTCOMES, &ADVANCE_LATENCY, &runtime::batches::FAMILIES];
+static FAMILIES: [&dyn Expose; 4] =
+    [&ADVANCE_OUTCOMES, &ADVANCE_LATENCY, &crate::compaction::METRICS, &runtime::batches::FAMILIES];
 
 /// What `/metrics` serves for a producer on `store` whose outbox cap is `cap` (`None`: no cap).
 pub fn exposition(store: &ProducerStore, cap: Option<u64>) -> Exposition {

@@ -6,8 +6,13 @@
 //! `30m`, `45s`, `0` (compact as soon as a row is finished) or `off` (keep every body).
 
 use std::fmt;
+use std::future::Future;
 use std::str::FromStr;
 use std::time::Duration;
+
+use prometheus_client::encoding::DescriptorEncoder;
+
+use crate::metrics::{Counters, Expose};
 
 /// The SHA-256 digest of a canonical body: what a tombstone keeps to tell a redelivered
 /// event (same digest: `DUPLICATE`/`EXISTING`) from a changed one (`ID_CONFLICT`/`CONFLICT`).
@@ -145,6 +150,190 @@ pub struct RetentionFlags {
     pub retention: Retention,
 }
 
+/// What one compaction pass did, on either service and backend: the pass's log line, the
+/// `--compact-once` JSON line and the metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CompactReport {
+    /// Finished rows reduced to tombstones.
+    pub compacted: u64,
+    /// Bytes of canonical bodies dropped.
+    pub body_bytes: u64,
+    /// Transactions that compacted rows (each at most [`COMPACT_BATCH`] rows).
+    pub batches: u64,
+    /// SQLite: pages given back to the file system by `incremental_vacuum` (0 on a file
+    /// created before retention, whose freed pages are only reused). `None` on PostgreSQL.
+    pub pages_freed: Option<u64>,
+    /// SQLite: the database's size in bytes (page count × page size: the file's size once
+    /// the WAL is checkpointed) before the pass.
+    pub file_bytes_before: Option<u64>,
+    /// SQLite: the same after the pass.
+    pub file_bytes_after: Option<u64>,
+}
+
+impl CompactReport {
+    /// True when the pass changed anything (rows compacted or pages given back).
+    pub fn did_something(&self) -> bool {
+        self.compacted > 0 || self.pages_freed.unwrap_or(0) > 0
+    }
+
+    /// The one JSON line `--compact-once` prints: `compacted`, `body_bytes`, `batches`,
+    /// `retention`, and on SQLite `pages_freed`, `file_bytes_before`, `file_bytes_after`.
+    pub fn json_line(&self, retention: Retention) -> String {
+        let mut line = format!(
+            r#"{{"compacted":{},"body_bytes":{},"batches":{},"retention":"{retention}""#,
+            self.compacted, self.body_bytes, self.batches
+        );
+        for (name, value) in [
+            ("pages_freed", self.pages_freed),
+            ("file_bytes_before", self.file_bytes_before),
+            ("file_bytes_after", self.file_bytes_after),
+        ] {
+            if let Some(value) = value {
+                line.push_str(&format!(r#","{name}":{value}"#));
+            }
+        }
+        line.push('}');
+        line
+    }
+
+    /// Logs the pass: info when it did something (rows, body bytes, and on SQLite the pages
+    /// given back and the database size), debug when there was nothing to do.
+    pub fn log(&self, table: &'static str, retention: Retention, took: Duration) {
+        let ms = took.as_millis() as u64;
+        if !self.did_something() {
+            tracing::debug!(table = %table, %retention, ms, "compaction pass: nothing to compact");
+            return;
+        }
+        tracing::info!(
+            table = %table,
+            %retention,
+            rows = self.compacted,
+            body_bytes = self.body_bytes,
+            batches = self.batches,
+            pages_freed = ?self.pages_freed,
+            file_bytes_before = ?self.file_bytes_before,
+            file_bytes_after = ?self.file_bytes_after,
+            ms,
+            "compaction pass: finished rows compacted to tombstones"
+        );
+    }
+}
+
+/// A service's compaction counters on `/metrics`, labelled `table` (the one table it
+/// compacts): rows compacted, body bytes dropped, and passes that failed.
+pub struct CompactionMetrics {
+    rows: Counters<1>,
+    body_bytes: Counters<1>,
+    failures: Counters<1>,
+}
+
+impl CompactionMetrics {
+    /// The families `<prefix>_compacted_rows_total`, `<prefix>_compacted_body_bytes_total`
+    /// and `<prefix>_compaction_failures_total`, each with `table="<table>"`.
+    pub const fn new(names: [&'static str; 3], table: &'static str) -> CompactionMetrics {
+        CompactionMetrics {
+            rows: Counters::new(
+                names[0],
+                "Finished rows compacted to tombstones (body dropped, digest kept) by this process.",
+                "table",
+                [table],
+            ),
+            body_bytes: Counters::new(
+                names[1],
+                "Bytes of canonical bodies dropped by compaction in this process.",
+                "table",
+                [table],
+            ),
+            failures: Counters::new(
+                names[2],
+                "Compaction passes of this process that failed (nothing is lost; the next pass tries again).",
+                "table",
+                [table],
+            ),
+        }
+    }
+
+    /// Counts a pass's rows and bytes.
+    pub fn record(&self, report: &CompactReport) {
+        self.rows.add(0, report.compacted);
+        self.body_bytes.add(0, report.body_bytes);
+    }
+
+    /// Counts a failed pass.
+    pub fn failed(&self) {
+        self.failures.inc(0);
+    }
+}
+
+impl Expose for CompactionMetrics {
+    fn expose(&self, encoder: &mut DescriptorEncoder) -> std::fmt::Result {
+        self.rows.expose(encoder)?;
+        self.body_bytes.expose(encoder)?;
+        self.failures.expose(encoder)
+    }
+
+    fn family(&self) -> &'static str {
+        self.rows.family()
+    }
+}
+
+/// One pass at `retention` through `compact` (given the cutoff: rows finished before it are
+/// compacted), counted in `metrics` and logged; `Ok(None)` when retention is `off`.
+pub async fn run_pass<F, Fut, E>(
+    table: &'static str,
+    retention: Retention,
+    metrics: &CompactionMetrics,
+    compact: F,
+) -> Result<Option<CompactReport>, E>
+where
+    F: FnOnce(i64) -> Fut,
+    Fut: Future<Output = Result<CompactReport, E>>,
+{
+    let Some(cutoff_us) = retention.cutoff_us(crate::now_us()) else { return Ok(None) };
+    let started = std::time::Instant::now();
+    let report = compact(cutoff_us).await?;
+    metrics.record(&report);
+    report.log(table, retention, started.elapsed());
+    Ok(Some(report))
+}
+
+/// Starts the background loop (nothing when `retention` is `off`): a pass at once (so a
+/// restarted server catches up before anything else), then one every
+/// [`Retention::pass_interval`] after the previous one ended. A failed pass is counted and
+/// logged (warn) and the next one runs at its time: compaction never stops the server and
+/// never loses a row.
+pub fn spawn_passes<F, Fut, E>(
+    table: &'static str,
+    retention: Retention,
+    metrics: &'static CompactionMetrics,
+    mut compact: F,
+) -> Option<tokio::task::JoinHandle<()>>
+where
+    F: FnMut(i64) -> Fut + Send + 'static,
+    Fut: Future<Output = Result<CompactReport, E>> + Send,
+    E: fmt::Display,
+{
+    let Some(interval) = retention.pass_interval() else {
+        tracing::info!(table = %table, "retention off: bodies are kept for ever");
+        return None;
+    };
+    tracing::info!(
+        table = %table,
+        %retention,
+        interval_ms = interval.as_millis() as u64,
+        "compaction of finished rows older than the retention"
+    );
+    Some(tokio::spawn(async move {
+        loop {
+            if let Err(e) = run_pass(table, retention, metrics, &mut compact).await {
+                metrics.failed();
+                tracing::warn!(table = %table, error = %e, "compaction pass failed; nothing is lost, the next pass tries again");
+            }
+            tokio::time::sleep(interval).await;
+        }
+    }))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -200,5 +389,27 @@ mod tests {
         assert_eq!(Retention::Off.cutoff_us(5), None);
         assert_eq!(DEFAULT_RETENTION.pass_interval(), Some(Duration::from_secs(3600)));
         assert_eq!(Retention::After(Duration::ZERO).cutoff_us(7), Some(7));
+    }
+
+    #[test]
+    fn the_compact_once_line_is_json_with_the_sqlite_fields_only_when_known() {
+        let pg = CompactReport { compacted: 3, body_bytes: 120, batches: 1, ..CompactReport::default() };
+        let line: serde_json::Value =
+            serde_json::from_str(&pg.json_line(Retention::After(Duration::ZERO))).unwrap();
+        assert_eq!(
+            line,
+            serde_json::json!({"compacted": 3, "body_bytes": 120, "batches": 1, "retention": "0"})
+        );
+        let sqlite = CompactReport {
+            pages_freed: Some(0),
+            file_bytes_before: Some(8192),
+            file_bytes_after: Some(4096),
+            ..pg
+        };
+        let line: serde_json::Value = serde_json::from_str(&sqlite.json_line(DEFAULT_RETENTION)).unwrap();
+        assert_eq!(line["retention"], "7d");
+        assert_eq!((line["pages_freed"].as_u64(), line["file_bytes_after"].as_u64()), (Some(0), Some(4096)));
+        assert!(!pg.did_something() || pg.compacted > 0);
+        assert!(!CompactReport::default().did_something());
     }
 }

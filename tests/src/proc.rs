@@ -416,9 +416,12 @@ impl Consumer {
 
     /// Starts a consumer on the workdir's file with extra flags (limits, token, TLS, v2).
     pub fn start_with(work: &Workdir, extra: &[&str]) -> Consumer {
-        let db = work.consumer_db();
-        let process =
-            ServerProcess::start("consumer", &server_args(&db, extra), &[], work.path("consumer.log"));
+        Self::start_on_with(work.consumer_db(), work.path("consumer.log"), extra)
+    }
+
+    /// Starts a consumer on `db`, logging to `log`, with extra flags.
+    pub fn start_on_with(db: Target, log: PathBuf, extra: &[&str]) -> Consumer {
+        let process = ServerProcess::start("consumer", &server_args(&db, extra), &[], log);
         Consumer { process, db }
     }
 

@@ -20,6 +20,7 @@ use proto::body::Event;
 use proto::crash::CrashSwitch;
 use proto::target::DbTarget;
 use runtime::OpenError;
+pub use runtime::retention::CompactReport;
 
 use crate::apply::{ApplyOptions, FlowResult};
 use crate::receive::StreamState;
@@ -252,41 +253,6 @@ impl StoredBody {
                 digest.as_slice() == runtime::retention::body_digest(body.as_bytes())
             }
         }
-    }
-}
-
-/// What one compaction pass did (the `--compact-once` line and the pass's log line).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct CompactReport {
-    /// Applied inbox rows reduced to tombstones.
-    pub compacted: u64,
-    /// Bytes of canonical bodies dropped.
-    pub body_bytes: u64,
-    /// Transactions that compacted rows (each at most `COMPACT_BATCH` rows).
-    pub batches: u64,
-    /// SQLite: pages given back to the file system by `incremental_vacuum` (0 on a file
-    /// created before retention, whose freed pages are only reused, and on PostgreSQL).
-    pub pages_freed: u64,
-    /// SQLite: the database's size in bytes (page count × page size) before the pass.
-    pub size_before: Option<u64>,
-    /// SQLite: the same after the pass.
-    pub size_after: Option<u64>,
-}
-
-impl CompactReport {
-    /// The one JSON line `--compact-once` prints.
-    pub fn json(&self) -> String {
-        let mut line = serde_json::json!({
-            "compacted": self.compacted,
-            "body_bytes": self.body_bytes,
-            "batches": self.batches,
-        });
-        if let (Some(before), Some(after)) = (self.size_before, self.size_after) {
-            line["pages_freed"] = self.pages_freed.into();
-            line["size_before"] = before.into();
-            line["size_after"] = after.into();
-        }
-        line.to_string()
     }
 }
 

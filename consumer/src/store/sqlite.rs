@@ -531,7 +531,7 @@ fn compact_pass(
     let mut report = CompactReport::default();
     let incremental = {
         let conn = lock(shared);
-        report.size_before = Some(db::database_bytes(&conn)?);
+        report.file_bytes_before = Some(db::database_bytes(&conn)?);
         conn.query_row("PRAGMA auto_vacuum", [], |r| r.get::<_, i64>(0))? == 2
     };
     let mut after: i64 = 0;
@@ -592,6 +592,7 @@ fn compact_pass(
             break;
         }
     }
+    let mut pages_freed = 0;
     if incremental {
         // One step per lock, so Receive and Apply wait for one short step at most.
         let step = |free| runtime::retention::vacuum_step(free, keep_free_pages);
@@ -600,10 +601,11 @@ fn compact_pass(
             if given == 0 {
                 break;
             }
-            report.pages_freed += given;
+            pages_freed += given;
         }
     }
-    report.size_after = Some(db::database_bytes(&lock(shared))?);
+    report.pages_freed = Some(pages_freed);
+    report.file_bytes_after = Some(db::database_bytes(&lock(shared))?);
     Ok(report)
 }
 

@@ -15,6 +15,7 @@ use proto::db::OpenMode;
 use proto::flow::{FlowState, TransitionError, check_step};
 use proto::target::DbTarget;
 use runtime::OpenError;
+pub use runtime::retention::CompactReport;
 
 use crate::request::AdvanceCommand;
 
@@ -381,27 +382,6 @@ pub struct LostRows {
     pub compacted: u64,
     /// A few of the compacted lost rows' event ids, for the log.
     pub compacted_sample: Vec<String>,
-}
-
-/// What one compaction pass did (the `--compact-once` line and the pass's log line).
-#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
-pub struct CompactReport {
-    /// Outbox rows reduced to tombstones.
-    pub compacted: u64,
-    /// Bytes of canonical bodies dropped.
-    pub body_bytes: u64,
-    /// Transactions (batches of at most [`runtime::retention::COMPACT_BATCH`] rows).
-    pub batches: u64,
-    /// SQLite: pages given back to the file system by `incremental_vacuum`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub pages_freed: Option<u64>,
-    /// SQLite: the database's size before the pass, in bytes (its pages: the file's size once
-    /// the WAL is checkpointed).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub file_bytes_before: Option<u64>,
-    /// SQLite: the database's size after the pass, in bytes (as above).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub file_bytes_after: Option<u64>,
 }
 
 /// The outbox backlog as the metrics report it.

@@ -164,7 +164,10 @@ async fn the_background_pass_compacts_applied_rows() {
     let consumer =
         Consumer::start_with(&work, &["--retention", "0", "--auto-apply", "--metrics-listen", "127.0.0.1:0"]);
     assert!(
-        consumer.process.log_text().contains("compaction of applied inbox rows"),
+        consumer
+            .process
+            .log_text()
+            .contains("compaction of finished rows older than the retention table=inbox"),
         "the loop says it runs"
     );
     let metrics = harness::background::wait_for(
@@ -187,7 +190,10 @@ async fn the_background_pass_compacts_applied_rows() {
     let again = consumer.receive(reference_envelopes("A")).await;
     assert_eq!(outcomes(&again), [ReceiveOutcome::Duplicate; 3], "{again:?}");
     let log = consumer.process.log_text();
-    assert!(log.contains("compacted applied inbox rows to tombstones"), "no pass logged:\n{log}");
+    assert!(
+        log.contains("compaction pass: finished rows compacted to tombstones table=inbox"),
+        "no pass logged:\n{log}"
+    );
     // The metrics count each of the three rows once (a pass adds its rows right after its
     // commit, so the last one may still be on its way), and the body bytes dropped.
     let rows = |m: &harness::scrape::Metrics| {
@@ -297,7 +303,8 @@ async fn compaction_gives_pages_back_on_sqlite() {
     let report = compact_report(&work.consumer_db(), "0");
     assert_eq!(report["compacted"], 1200, "{report}");
     assert!(report["batches"].as_u64().is_some_and(|b| b >= 3), "at most 500 rows a batch: {report}");
-    let (before, after) = (report["size_before"].as_u64().unwrap(), report["size_after"].as_u64().unwrap());
+    let (before, after) =
+        (report["file_bytes_before"].as_u64().unwrap(), report["file_bytes_after"].as_u64().unwrap());
     assert!(report["pages_freed"].as_u64().is_some_and(|p| p > 0), "{report}");
     assert!(after < before, "{report}");
 }
@@ -407,7 +414,7 @@ fn storage_size(target: &Target, after_visits: Option<i64>) -> (u64, u64) {
     match target {
         Target::Sqlite(_) => {
             let report = compact_report(target, "7d");
-            (report["size_after"].as_u64().unwrap(), 0)
+            (report["file_bytes_after"].as_u64().unwrap(), 0)
         }
         Target::Postgres(url) => {
             let pg = db::PgSession::connect(url, false).unwrap();
@@ -434,4 +441,81 @@ fn storage_size(target: &Target, after_visits: Option<i64>) -> (u64, u64) {
             (inbox as u64, schema as u64)
         }
     }
+}
+
+/// A compaction pass that fails (here a test trigger refuses the tombstone's write) is
+/// counted in `ordered_events_consumer_compaction_failures_total`, logged, and changes
+/// nothing: the rows stay whole, the server goes on receiving and applying, and once the
+/// cause is gone the next pass compacts them.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failing_compaction_pass_is_counted_and_loses_nothing() {
+    let Some(work) = Workdir::for_test() else { return };
+    let mut consumer = Consumer::start(&work, false, &[]);
+    consumer.process.terminate(Duration::from_secs(30));
+    let target = work.consumer_db();
+    let message = "compaction refused by the test trigger";
+    let (install, remove) = match &target {
+        Target::Sqlite(_) => (
+            format!(
+                "CREATE TRIGGER no_tombstone BEFORE UPDATE OF body_sha256 ON inbox
+                 BEGIN SELECT RAISE(ABORT, '{message}'); END;"
+            ),
+            "DROP TRIGGER no_tombstone;".to_owned(),
+        ),
+        Target::Postgres(_) => {
+            let schema = db::Store::Consumer.pg_schema();
+            (
+                format!(
+                    "CREATE FUNCTION {schema}.no_tombstone() RETURNS trigger LANGUAGE plpgsql AS $body$
+                     BEGIN RAISE EXCEPTION '{message}'; END $body$;
+                     CREATE TRIGGER no_tombstone BEFORE UPDATE OF body_sha256 ON {schema}.inbox
+                         FOR EACH ROW EXECUTE FUNCTION {schema}.no_tombstone();"
+                ),
+                format!(
+                    "DROP TRIGGER no_tombstone ON {schema}.inbox; DROP FUNCTION {schema}.no_tombstone();"
+                ),
+            )
+        }
+    };
+    db::execute(&target, &install);
+
+    let args = ["--retention", "0", "--auto-apply", "--metrics-listen", "127.0.0.1:0"];
+    let mut consumer = Consumer::start_on_with(target.clone(), work.path("refused.log"), &args);
+    let metrics = harness::background::wait_for(
+        START_DEADLINE,
+        || harness::scrape::metrics_addr(&consumer.process.log_text()),
+        || consumer.process.log_text(),
+    );
+    let answers = consumer.receive(reference_envelopes("A")).await;
+    assert_eq!(outcomes(&answers), [ReceiveOutcome::Accepted; 3], "{answers:?}");
+    let failures = |m: &harness::scrape::Metrics| {
+        m.get("ordered_events_consumer_compaction_failures_total", &[("table", "inbox")])
+    };
+    let failed = harness::background::poll_async(Duration::from_secs(30), async || {
+        let flow = consumer.get_flow("A").await;
+        let applied = flow.inbox.iter().filter(|r| r.state == "applied").count() == 3;
+        let m = harness::scrape::Metrics::scrape(&metrics).await;
+        (applied && failures(&m) >= 1.0).then_some(m)
+    })
+    .await;
+    let log = consumer.process.log_text();
+    let Some(m) = failed else { panic!("no failed pass counted within 30 s:\n{log}") };
+    assert_eq!(m.get("ordered_events_consumer_compacted_rows_total", &[("table", "inbox")]), 0.0);
+    assert!(log.contains("compaction pass failed") && log.contains(message), "{log}");
+    let (whole, tombstones) = assert_whole_or_tombstone(&target, "refused pass");
+    assert_eq!((whole, tombstones), (3, 0), "a refused pass changes nothing");
+    // The server still serves: another flow is received and applied.
+    let b = consumer.receive(reference_envelopes("B")).await;
+    assert_eq!(outcomes(&b), [ReceiveOutcome::Accepted; 3], "{b:?}");
+    consumer.process.terminate(Duration::from_secs(30));
+
+    db::execute(&target, &remove);
+    let consumer = Consumer::start_on_with(target.clone(), work.path("allowed.log"), &args);
+    let compacted = harness::background::poll_async(Duration::from_secs(30), async || {
+        let flows = [consumer.get_flow("A").await, consumer.get_flow("B").await];
+        flows.iter().all(|f| f.inbox.len() == 3 && f.inbox.iter().all(|r| r.compacted)).then_some(())
+    })
+    .await;
+    assert!(compacted.is_some(), "not compacted once the trigger is gone:\n{}", consumer.process.log_text());
+    assert_eq!(assert_whole_or_tombstone(&target, "after"), (0, 6));
 }

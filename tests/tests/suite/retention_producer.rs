@@ -167,13 +167,16 @@ async fn the_background_pass_compacts_accepted_rows_at_retention_0() {
             producer
                 .process
                 .log_text()
-                .contains("compaction pass: outbox rows compacted to tombstones, space given back")
+                .contains("compaction pass: finished rows compacted to tombstones table=outbox")
                 .then_some(())
         },
         || producer.process.log_text(),
     );
     let log = producer.process.log_text();
-    assert!(log.contains("outbox compaction") && log.contains("retention=0"), "{log}");
+    assert!(
+        log.contains("compaction of finished rows older than the retention table=outbox retention=0"),
+        "{log}"
+    );
     assert_eq!(
         outcome(&producer.advance(advance("A", "A2", 1, "confirmed", 1)).await),
         AdvanceOutcome::Existing
