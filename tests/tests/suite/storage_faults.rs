@@ -542,9 +542,9 @@ struct Backup {
 }
 
 impl Backup {
-    /// Copies `live` (nothing may be connected to it).
-    fn take(work: &mut Workdir, live: &Target) -> Backup {
-        let copy = work.other_db("backup");
+    /// Copies `live` into `copy` (an empty database of the same backend; nothing may be
+    /// connected to `live`).
+    fn take(live: &Target, copy: Target) -> Backup {
         match (live, &copy) {
             (Target::Sqlite(from), Target::Sqlite(to)) => {
                 for suffix in ["", "-wal", "-shm"] {
@@ -606,12 +606,23 @@ async fn commit_singles(producer: &Producer, prefix: &str, n: usize) -> Vec<Stri
     ids
 }
 
-/// One `relay drain` from `producer` to `consumer`; it must end with every row accepted.
+/// One `relay drain` from `producer` to `consumer` (its judgement logged: `probes=`, `asks=`);
+/// it must end with every row accepted.
 fn drain(producer: &Producer, consumer: &Consumer) -> harness::proc::RelayRun {
-    let run = harness::proc::relay(&producer.db, &consumer.process.url(), &["drain"], &[]);
+    let env = [("RUST_LOG", "info,relay::identity=debug")];
+    let run = harness::proc::relay(&producer.db, &consumer.process.url(), &["drain"], &env);
     assert_eq!(run.code, Some(0), "{}", run.stderr);
     assert!(db::outbox(&producer.db).iter().all(|r| r.accepted), "{}", run.stderr);
     run
+}
+
+/// The probes and asks of the run's one judgement (its `consumer identified` line).
+fn judgement(run: &harness::proc::RelayRun) -> (&str, &str) {
+    let mut lines = run.stderr.lines().filter(|l| l.contains("consumer identified"));
+    let line = lines.next().unwrap_or_else(|| panic!("no judgement: {}", run.stderr));
+    assert!(lines.next().is_none(), "one judgement: {}", run.stderr);
+    let field = |name: &str| line.split_whitespace().find(|w| w.starts_with(name)).unwrap_or_default();
+    (field("probes="), field("asks="))
 }
 
 /// Two producers (X and Y) feed one consumer, whose database is restored from an older copy
@@ -626,6 +637,7 @@ async fn a_restored_consumer_whose_reused_positions_another_producer_filled_firs
     let x = Producer::start(&work, &[]);
     let y = Producer::start_on(work.other_db("producer_y.db"), work.path("producer-y.log"), &[]);
     let live = work.other_db("consumer.db");
+    let backup_db = work.other_db("backup.db");
     let start = |db: &Target, log: &str| Consumer::start_on(db.clone(), work.path(log), false, &[]);
     let mut consumer = start(&live, "consumer-1.log");
     let mut x_ids = commit_singles(&x, "X", 5).await;
@@ -635,7 +647,7 @@ async fn a_restored_consumer_whose_reused_positions_another_producer_filled_firs
 
     // The backup (positions 1..=10), taken while the consumer is stopped.
     assert_eq!(consumer.process.terminate(DEADLINE).code(), Some(0));
-    let backup = Backup::take(&mut work, &live);
+    let backup = Backup::take(&live, backup_db);
     let mut consumer = start(&live, "consumer-2.log");
     // Y's rows accepted after the backup: more than one page of probes (256).
     let lost = commit_singles(&y, "L", 300).await;
@@ -651,20 +663,29 @@ async fn a_restored_consumer_whose_reused_positions_another_producer_filled_firs
     x_ids.extend(commit_singles(&x, "Z", 400).await);
     let x_run = drain(&x, &consumer);
     assert!(!x_run.stderr.contains("CONSUMER DATABASE RESTORED"), "X lost nothing: {}", x_run.stderr);
+    // Nothing lost: one Identify, one page (X's five rows).
+    assert_eq!(judgement(&x_run), ("probes=5", "asks=1"), "{}", x_run.stderr);
     let highest = db::inbox(&restored).iter().map(|r| r.rowid).max().unwrap_or(0);
     let recorded_y = db::highest_recorded_position(&y.db);
     assert!(highest as u64 > recorded_y, "the consumer's history passed Y's recorded positions: {highest} {recorded_y}");
 
+    // Y has new work (a one-shot drain with nothing to send asks the consumer nothing).
+    y_ids.extend(commit_singles(&y, "N", 1).await);
     let y_run = drain(&y, &consumer);
-    let loud: Vec<&str> =
-        y_run.stderr.lines().filter(|l| l.contains("CONSUMER DATABASE RESTORED FROM AN OLDER COPY")).collect();
-    assert_eq!(loud.len(), 1, "{}", y_run.stderr);
-    assert!(loud[0].contains(&format!("rows={}", lost.len())), "{}", y_run.stderr);
     let inbox = held(&restored);
     let missing: Vec<&String> = y_ids.iter().chain(&x_ids).filter(|id| !inbox.contains(*id)).collect();
     assert!(missing.is_empty(), "the consumer lacks {} events, first {:?}", missing.len(), missing.first());
     assert_eq!(inbox.len(), x_ids.len() + y_ids.len());
+    let loud: Vec<&str> =
+        y_run.stderr.lines().filter(|l| l.contains("CONSUMER DATABASE RESTORED FROM AN OLDER COPY")).collect();
+    assert_eq!(loud.len(), 1, "{}", y_run.stderr);
+    assert!(loud[0].contains(&format!("rows={}", lost.len())), "{}", y_run.stderr);
+    // 305 rows recorded: a first page all lost, a second (the other 49) partly: two asks.
+    assert_eq!(judgement(&y_run), ("probes=305", "asks=2"), "{}", y_run.stderr);
     // Judged again, nothing is lost any more.
+    y_ids.extend(commit_singles(&y, "M", 1).await);
     let again = drain(&y, &consumer);
     assert!(!again.stderr.contains("CONSUMER DATABASE RESTORED"), "{}", again.stderr);
+    assert_eq!(judgement(&again), ("probes=256", "asks=1"), "{}", again.stderr);
+    assert_eq!(held(&restored).len(), x_ids.len() + y_ids.len());
 }
