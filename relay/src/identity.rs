@@ -155,9 +155,9 @@ pub async fn judge(
         // rows, if the outbox recorded any, are probed in a second ask.
         page = ledger.accepted_page(identity.database_id.clone(), None, PROBE_PAGE, &scope).await?;
         if !page.is_empty() {
-            let again = ask(&mut client, link, &producer_database_id, &page)
-                .await?
-                .ok_or_else(|| RelayError::Stream("identify: the consumer stopped answering Identify".into()))?;
+            let again = ask(&mut client, link, &producer_database_id, &page).await?.ok_or_else(|| {
+                RelayError::Stream("identify: the consumer stopped answering Identify".into())
+            })?;
             if again.database_id != identity.database_id {
                 return Err(RelayError::Stream(format!(
                     "identify: the consumer's database changed while it was asked ({} then {})",

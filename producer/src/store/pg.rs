@@ -28,7 +28,8 @@ type Params<'a, const N: usize> = [&'a (dyn ToSql + Sync); N];
 
 use super::{
     ADVANCE_BATCHES, AdvanceReply, Backlog, CompactReport, Decision, FlowRecord, LOST_BY_CONSUMER, LeaseRow,
-    LeaseView, Lost, LostRows, MARK_BATCHES, ProbedRow, add_probed, NO_ANSWER, OutboxRecord, Recorded, Role, StoreError, decide,
+    LeaseView, Lost, LostRows, MARK_BATCHES, NO_ANSWER, OutboxRecord, ProbedRow, Recorded, Role, StoreError,
+    add_probed, decide,
 };
 use crate::request::AdvanceCommand;
 

@@ -17,7 +17,8 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::{
     AcceptedBy, AdvanceReply, Backlog, CompactReport, Decision, DeliveryAnswer, FlowRecord, LOST_BY_CONSUMER,
-    Lost, LostRows, MARK_BATCHES, ProbedRow, add_probed, NO_ANSWER, OutboxRecord, Recorded, Role, StoreError, decide,
+    Lost, LostRows, MARK_BATCHES, NO_ANSWER, OutboxRecord, ProbedRow, Recorded, Role, StoreError, add_probed,
+    decide,
 };
 use crate::request::AdvanceCommand;
 
@@ -781,7 +782,12 @@ fn still_recorded(
         let Ok(position) = i64::try_from(*position) else { continue };
         let row = read
             .query_row(params![event_id, consumer_db, position], |r| {
-                Ok(ProbedRow { event_id: event_id.clone(), flow_id: r.get(0)?, seq: r.get(1)?, compacted: r.get(2)? })
+                Ok(ProbedRow {
+                    event_id: event_id.clone(),
+                    flow_id: r.get(0)?,
+                    seq: r.get(1)?,
+                    compacted: r.get(2)?,
+                })
             })
             .optional()?;
         rows.extend(row);

@@ -404,7 +404,9 @@ async fn rows_a_consumer_no_longer_holds_by_probe_are_unmarked_exactly() {
             let below = below.map(|(p, id)| (p, id.to_owned()));
             async move { store.accepted_page("c1".into(), below, 2, None).await.unwrap() }
         };
-        let ids = |rows: Vec<(u64, String)>| rows.into_iter().map(|(p, id)| format!("{p}:{id}")).collect::<Vec<_>>();
+        let ids = |rows: Vec<(u64, String)>| {
+            rows.into_iter().map(|(p, id)| format!("{p}:{id}")).collect::<Vec<_>>()
+        };
         assert_eq!(ids(page(None).await), ["4:B1", "3:D1"]);
         assert_eq!(ids(page(Some((3, "D1"))).await), ["3:A3", "2:A2"]);
         assert_eq!(ids(page(Some((2, "A2"))).await), ["1:A1"]);
@@ -424,7 +426,10 @@ async fn rows_a_consumer_no_longer_holds_by_probe_are_unmarked_exactly() {
         let lost = store.resend_lost("c1".into(), Lost::Probed(vec![(3, "A3".to_owned())])).await.unwrap();
         assert_eq!(lost.beyond_history, 0, "{lost:?}");
         // Positions above the highest judge nothing when probes judge (only other databases).
-        store.record_deliveries(vec![accepted("C1", DeliveryAnswer::Accepted, 1)], Some("c0".into())).await.unwrap();
+        store
+            .record_deliveries(vec![accepted("C1", DeliveryAnswer::Accepted, 1)], Some("c0".into()))
+            .await
+            .unwrap();
         let lost = store.resend_lost("c1".into(), Lost::Probed(Vec::new())).await.unwrap();
         assert_eq!((lost.other_database, lost.beyond_history), (1, 0), "{lost:?}");
         assert_eq!(lost.sample, ["C1"]);

@@ -277,14 +277,16 @@ async fn identify_probe_limits() {
     let over = client.identify(ask((1..=1025).map(probe).collect())).await.expect_err("1025 probes");
     assert_eq!(over.code(), Code::InvalidArgument);
     assert!(over.message().starts_with("probes") && over.message().contains("1024"), "{}", over.message());
-    for (name, event_id) in [("empty", String::new()), ("129 bytes", "e".repeat(129)), ("tab", "a\tb".into())] {
+    for (name, event_id) in [("empty", String::new()), ("129 bytes", "e".repeat(129)), ("tab", "a\tb".into())]
+    {
         let bad = vec![pb::InboxProbe { position: 1, event_id }];
         let status = client.identify(ask(bad)).await.expect_err(name);
         assert_eq!(status.code(), Code::InvalidArgument, "{name}");
         assert!(status.message().starts_with("probes.event_id"), "{name}: {}", status.message());
     }
     let positions = [0, u64::MAX, i64::MAX as u64 + 1];
-    let odd: Vec<pb::InboxProbe> = positions.iter().map(|&p| pb::InboxProbe { position: p, event_id: "p1".into() }).collect();
+    let odd: Vec<pb::InboxProbe> =
+        positions.iter().map(|&p| pb::InboxProbe { position: p, event_id: "p1".into() }).collect();
     let answer = client.identify(ask(odd)).await.expect("odd positions").into_inner();
     assert_eq!(answer.probes_held, [false, false, false]);
     assert!(!consumer.process.log_text().contains("panicked"));

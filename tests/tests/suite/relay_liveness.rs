@@ -404,8 +404,11 @@ async fn a_consumer_without_probe_answers_is_judged_by_its_highest_position() {
     server.abort();
     assert_eq!(second.code, Some(0), "{second:?}");
     assert!(second.stderr.contains("does not answer inbox probes"), "{}", second.stderr);
-    let loud: Vec<&str> =
-        second.stderr.lines().filter(|l| l.contains("CONSUMER DATABASE RESTORED FROM AN OLDER COPY")).collect();
+    let loud: Vec<&str> = second
+        .stderr
+        .lines()
+        .filter(|l| l.contains("CONSUMER DATABASE RESTORED FROM AN OLDER COPY"))
+        .collect();
     assert_eq!(loud.len(), 1, "{}", second.stderr);
     assert!(loud[0].contains("rows=2"), "{}", second.stderr);
     let mut again = consumer.received.lock().expect("lock")[3..].to_vec();

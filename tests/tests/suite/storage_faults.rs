@@ -658,7 +658,8 @@ async fn a_restored_consumer_whose_reused_positions_another_producer_filled_firs
     // Restored; X delivers first, into the reused positions (above Y's lost ones).
     let restored = backup.restore();
     let consumer = start(&restored, "consumer-3.log");
-    let held = |target: &Target| -> BTreeSet<String> { db::inbox(target).into_iter().map(|r| r.event_id).collect() };
+    let held =
+        |target: &Target| -> BTreeSet<String> { db::inbox(target).into_iter().map(|r| r.event_id).collect() };
     assert!(lost.iter().all(|id| !held(&restored).contains(id)), "the copy predates the lost rows");
     x_ids.extend(commit_singles(&x, "Z", 400).await);
     let x_run = drain(&x, &consumer);
@@ -667,7 +668,10 @@ async fn a_restored_consumer_whose_reused_positions_another_producer_filled_firs
     assert_eq!(judgement(&x_run), ("probes=5", "asks=1"), "{}", x_run.stderr);
     let highest = db::inbox(&restored).iter().map(|r| r.rowid).max().unwrap_or(0);
     let recorded_y = db::highest_recorded_position(&y.db);
-    assert!(highest as u64 > recorded_y, "the consumer's history passed Y's recorded positions: {highest} {recorded_y}");
+    assert!(
+        highest as u64 > recorded_y,
+        "the consumer's history passed Y's recorded positions: {highest} {recorded_y}"
+    );
 
     // Y has new work (a one-shot drain with nothing to send asks the consumer nothing).
     y_ids.extend(commit_singles(&y, "N", 1).await);
@@ -676,8 +680,11 @@ async fn a_restored_consumer_whose_reused_positions_another_producer_filled_firs
     let missing: Vec<&String> = y_ids.iter().chain(&x_ids).filter(|id| !inbox.contains(*id)).collect();
     assert!(missing.is_empty(), "the consumer lacks {} events, first {:?}", missing.len(), missing.first());
     assert_eq!(inbox.len(), x_ids.len() + y_ids.len());
-    let loud: Vec<&str> =
-        y_run.stderr.lines().filter(|l| l.contains("CONSUMER DATABASE RESTORED FROM AN OLDER COPY")).collect();
+    let loud: Vec<&str> = y_run
+        .stderr
+        .lines()
+        .filter(|l| l.contains("CONSUMER DATABASE RESTORED FROM AN OLDER COPY"))
+        .collect();
     assert_eq!(loud.len(), 1, "{}", y_run.stderr);
     assert!(loud[0].contains(&format!("rows={}", lost.len())), "{}", y_run.stderr);
     // 305 rows recorded: a first page all lost, a second (the other 49) partly: two asks.
