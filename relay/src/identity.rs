@@ -154,6 +154,8 @@ pub async fn judge(
         // Another database answered (a replaced one, or the outbox names several): its own
         // rows, if the outbox recorded any, are probed in a second ask.
         page = ledger.accepted_page(identity.database_id.clone(), None, PROBE_PAGE, &scope).await?;
+        // The answers were about the other database's rows: they say nothing here.
+        identity.probes_held.clear();
         if !page.is_empty() {
             let again = ask(&mut client, link, &producer_database_id, &page).await?.ok_or_else(|| {
                 RelayError::Stream("identify: the consumer stopped answering Identify".into())
