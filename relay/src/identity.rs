@@ -266,3 +266,22 @@ pub async fn judge(
 
 /// How often `run` checks the consumer's identity again while it has nothing to send.
 pub const IDLE_RECHECK: Duration = Duration::from_secs(1);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn not_held_names_the_probes_answered_false_and_refuses_a_short_answer() {
+        let probes = vec![(3, "c".to_owned()), (2, "b".to_owned()), (1, "a".to_owned())];
+        assert_eq!(not_held(&probes, &[true, false, true]).unwrap(), Some(vec![(2, "b".to_owned())]));
+        assert_eq!(not_held(&probes, &[true, true, true]).unwrap(), Some(Vec::new()));
+        // An older consumer answers nothing: judged by the highest position instead.
+        assert_eq!(not_held(&probes, &[]).unwrap(), None);
+        // No probes, no answers: nothing to judge here.
+        assert_eq!(not_held(&[], &[]).unwrap(), Some(Vec::new()));
+        let short = not_held(&probes, &[true]).unwrap_err().to_string();
+        assert!(short.contains("answered 1 probes of 3"), "{short}");
+        assert!(not_held(&[], &[true]).is_err());
+    }
+}
