@@ -1,7 +1,8 @@
-//! Validation of `Apply`, `ApplyAll`, `GetFlow` and `ListStuck` requests before anything is
-//! read or written: malformed input is `INVALID_ARGUMENT` naming the field and the limit.
+//! Validation of `Apply`, `ApplyAll`, `GetFlow`, `ListStuck` and `Identify` requests before
+//! anything is read or written: malformed input is `INVALID_ARGUMENT` naming the field and the limit.
 
 use proto::limits::{LimitError, MAX_ID_BYTES, check_token};
+use proto::pb;
 
 /// `max_steps` 0 means this many.
 pub const DEFAULT_MAX_STEPS: u32 = 1_000;
@@ -11,6 +12,27 @@ pub const MAX_MAX_STEPS: u32 = 100_000;
 pub const DEFAULT_STUCK_LIMIT: u32 = 100;
 /// The largest `ListStuck.limit`.
 pub const MAX_STUCK_LIMIT: u32 = 10_000;
+
+/// The most inbox probes one `Identify` may carry (a relay sends pages of 256).
+pub const MAX_PROBES: usize = 1_024;
+
+/// Checks `Identify.probes`: at most [`MAX_PROBES`], each event id within the transport
+/// limits. Returns them as `(position, event_id)` pairs.
+pub fn probes(probes: Vec<pb::InboxProbe>) -> Result<Vec<(u64, String)>, LimitError> {
+    if probes.len() > MAX_PROBES {
+        return Err(LimitError {
+            field: "probes".into(),
+            message: format!("must be at most {MAX_PROBES} per request, got {}", probes.len()),
+        });
+    }
+    probes
+        .into_iter()
+        .map(|p| {
+            check_token("probes.event_id", &p.event_id, MAX_ID_BYTES)?;
+            Ok((p.position, p.event_id))
+        })
+        .collect()
+}
 
 /// Checks a flow id with the transport limits (1–128 bytes of printable ASCII).
 pub fn flow_id(value: &str) -> Result<(), LimitError> {
@@ -60,6 +82,19 @@ mod tests {
         assert_eq!(stuck_limit(0), Ok(DEFAULT_STUCK_LIMIT));
         assert_eq!(stuck_limit(7), Ok(7));
         assert_eq!(stuck_limit(MAX_STUCK_LIMIT + 1).unwrap_err().field, "limit");
+    }
+
+    #[test]
+    fn probe_limits() {
+        let probe = |i: u64| pb::InboxProbe { position: i, event_id: format!("e{i}") };
+        let ok = probes((1..=MAX_PROBES as u64).map(probe).collect()).unwrap();
+        assert_eq!(ok.len(), MAX_PROBES);
+        assert_eq!(ok[0], (1, "e1".to_owned()));
+        let err = probes((0..=MAX_PROBES as u64).map(probe).collect()).unwrap_err();
+        assert_eq!(err.field, "probes");
+        assert!(err.to_string().contains("at most 1024 per request, got 1025"), "{err}");
+        let bad = pb::InboxProbe { position: 1, event_id: String::new() };
+        assert_eq!(probes(vec![bad]).unwrap_err().field, "probes.event_id");
     }
 
     #[test]

@@ -494,7 +494,8 @@ impl pb::consumer_server::Consumer for ConsumerService {
         &self,
         request: Request<pb::IdentifyRequest>,
     ) -> Result<Response<pb::IdentifyResponse>, Status> {
-        let producer = request.into_inner().producer_database_id;
+        let pb::IdentifyRequest { producer_database_id: producer, probes } = request.into_inner();
+        let probes = request::probes(probes).map_err(invalid)?;
         let storage = self.storage;
         // A database deleted or replaced under us must not vouch for its history.
         // Reported like a failed commit: the consumer cannot accept, so it says so
@@ -503,7 +504,7 @@ impl pb::consumer_server::Consumer for ConsumerService {
             storage.commit_failed(&e);
             e.status("identify")
         })?;
-        let identity = self.store.identity().await.map_err(|e| {
+        let (identity, probes_held) = self.store.identify(probes).await.map_err(|e| {
             storage.commit_failed(&e);
             e.status("identify")
         })?;
@@ -512,11 +513,14 @@ impl pb::consumer_server::Consumer for ConsumerService {
             producer_database_id = %producer,
             database_id = %identity.database_id,
             highest_inbox_position = identity.highest_position,
+            probes = probes_held.len(),
+            not_held = probes_held.iter().filter(|h| !**h).count(),
             "relay identified this consumer database"
         );
         Ok(Response::new(pb::IdentifyResponse {
             database_id: identity.database_id,
             highest_inbox_position: identity.highest_position,
+            probes_held,
         }))
     }
 

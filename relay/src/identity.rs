@@ -1,9 +1,10 @@
 //! Before a relay sends anything on a new session, it asks the consumer which database it
-//! is and how far that database's history reaches (`Consumer.Identify`), and compares it with
-//! what producer.db recorded as accepted: rows a recreated consumer database (another id)
-//! or one restored from an older copy (a highest inbox position below one it answered)
-//! no longer holds are marked unaccepted again, said in one loud line, and sent again (the
-//! consumer answers `DUPLICATE` where it still holds one). No accepted event is lost silently.
+//! is and whether its inbox still holds the highest rows producer.db recorded as accepted by
+//! it (`Consumer.Identify` with probes: position and event id): rows a recreated consumer
+//! database (another id) or one restored from an older copy (a probed position that holds
+//! another event, or none) no longer holds are marked unaccepted again, said in one loud
+//! line, and sent again (the consumer answers `DUPLICATE` where it still holds one). No
+//! accepted event is lost silently.
 //! `run` repeats the check while idle, since a dead stream only shows on the next send.
 //! Under partition leases a session judges the partitions it holds, lease by lease
 //! ([`Judged`]): a partition taken over later (from a dead relay, or by rebalancing) is not
@@ -22,7 +23,7 @@ use tonic::transport::Channel;
 
 use crate::Link;
 use crate::error::RelayError;
-use crate::ledger::Ledger;
+use crate::ledger::{Ledger, Lost};
 
 /// The leases `(partition, epoch)` whose accepted rows one session checked against its
 /// consumer's database while holding them: only their rows are read for that session. A
@@ -57,11 +58,71 @@ impl Judged {
     }
 }
 
+/// How many recorded rows one `Identify` probes: the highest ones first, then, while a page
+/// held any row the consumer lacks, the next page down. A restore keeps a prefix of the
+/// inbox, so the first page that the consumer holds entirely ends the search; a page covers
+/// the few positions PostgreSQL may commit out of order. Well under the consumer's limit.
+pub const PROBE_PAGE: usize = 256;
+
+/// Logs the fallback to the highest-position comparison once per process (the idle recheck
+/// asks every second).
+static NO_PROBES_WARNED: std::sync::Once = std::sync::Once::new();
+
+/// Asks the consumer who it is and whether it holds `probes`. `None`: it does not implement
+/// `Identify` (an older build).
+async fn ask(
+    client: &mut ConsumerClient<tonic::service::interceptor::InterceptedService<Channel, SendToken>>,
+    link: &Link,
+    producer_database_id: &str,
+    probes: &[(u64, String)],
+) -> Result<Option<pb::IdentifyResponse>, RelayError> {
+    let request = pb::IdentifyRequest {
+        producer_database_id: producer_database_id.to_owned(),
+        probes: probes
+            .iter()
+            .map(|(position, event_id)| pb::InboxProbe { position: *position, event_id: event_id.clone() })
+            .collect(),
+    };
+    // A stopped consumer must fail the check, not hang it: the same bound as opening a stream.
+    let answer = tokio::time::timeout(link.answer_timeout, client.identify(request))
+        .await
+        .map_err(|_| RelayError::Unresponsive(link.answer_timeout))?;
+    match answer {
+        Ok(identity) => Ok(Some(identity.into_inner())),
+        Err(status) if status.code() == tonic::Code::Unimplemented => Ok(None),
+        Err(status) => Err(RelayError::Stream(format!("identify: {status}"))),
+    }
+}
+
+/// The probed rows the consumer said it does not hold. An answer for as many probes as were
+/// sent is required; an empty one (a consumer built before probes) is `None`.
+fn not_held(probes: &[(u64, String)], held: &[bool]) -> Result<Option<Vec<(u64, String)>>, RelayError> {
+    if held.is_empty() && !probes.is_empty() {
+        return Ok(None);
+    }
+    if held.len() != probes.len() {
+        return Err(RelayError::Stream(format!(
+            "identify: the consumer answered {} probes of {}",
+            held.len(),
+            probes.len()
+        )));
+    }
+    Ok(Some(probes.iter().zip(held).filter(|(_, held)| !**held).map(|(p, _)| p.clone()).collect()))
+}
+
 /// Identifies the consumer on `channel`, re-sends what its database lacks of what producer.db
 /// recorded as accepted (under leases: of the leases `judged` lacks, which are then added to
 /// it). Returns the consumer's database id, recorded on the rows it accepts from now on. A
 /// consumer that does not implement `Identify` (an older build) is relayed to as before,
 /// with a warning: `None`, nothing is recorded, so nothing can be checked.
+///
+/// What it lacks: rows another consumer database accepted, and rows this one accepted that
+/// its inbox no longer holds at the position it answered (probed, [`PROBE_PAGE`] at a time
+/// from the highest position down). Positions alone cannot tell: a database restored from
+/// an older copy gives the positions above its restore point to new events (another
+/// producer's, another relay's), and its highest position soon passes the lost ones. A
+/// consumer that answers no probes (an older build) is judged by its highest position, with
+/// a warning.
 pub async fn judge(
     channel: Channel,
     ledger: &Ledger,
@@ -72,26 +133,85 @@ pub async fn judge(
     // Taken before the consumer is asked (see `Ledger::resend_lost`).
     let scope = ledger.unjudged(judged);
     let mut client = ConsumerClient::with_interceptor(channel, SendToken::new(link.token.as_deref()));
-    // A stopped consumer must fail the check, not hang it: the same bound as opening a stream.
-    let asked = client.identify(pb::IdentifyRequest { producer_database_id: producer_database_id.clone() });
-    let answer = tokio::time::timeout(link.answer_timeout, asked)
-        .await
-        .map_err(|_| RelayError::Unresponsive(link.answer_timeout))?;
-    let identity = match answer {
-        Ok(identity) => identity.into_inner(),
-        Err(status) if status.code() == tonic::Code::Unimplemented => {
-            tracing::warn!(
-                url = %link.url,
-                "the consumer cannot identify its database (an older build): a deleted or restored consumer \
-                 database cannot be detected by this relay"
-            );
-            judged.extend(scope.unwrap_or_default());
-            return Ok(None);
-        }
-        Err(status) => return Err(RelayError::Stream(format!("identify: {status}"))),
+    // The probes are read before asking, for the database the accepted rows name (normally
+    // the one that answers: one Identify). Rows marked later were accepted by the database
+    // that answers them; they are not judged now and need not be.
+    let expected = ledger.recorded_consumer_db().await?;
+    let mut page = match &expected {
+        Some(db) => ledger.accepted_page(db.clone(), None, PROBE_PAGE, &scope).await?,
+        None => Vec::new(),
     };
-    let (lost, judged_now) =
-        ledger.resend_lost(identity.database_id.clone(), identity.highest_inbox_position, scope).await?;
+    let Some(mut identity) = ask(&mut client, link, &producer_database_id, &page).await? else {
+        tracing::warn!(
+            url = %link.url,
+            "the consumer cannot identify its database (an older build): a deleted or restored consumer \
+             database cannot be detected by this relay"
+        );
+        judged.extend(scope.unwrap_or_default());
+        return Ok(None);
+    };
+    if expected.as_deref() != Some(identity.database_id.as_str()) {
+        // Another database answered (a replaced one, or the outbox names several): its own
+        // rows, if the outbox recorded any, are probed in a second ask.
+        page = ledger.accepted_page(identity.database_id.clone(), None, PROBE_PAGE, &scope).await?;
+        // The answers were about the other database's rows: they say nothing here.
+        identity.probes_held.clear();
+        if !page.is_empty() {
+            let again = ask(&mut client, link, &producer_database_id, &page).await?.ok_or_else(|| {
+                RelayError::Stream("identify: the consumer stopped answering Identify".into())
+            })?;
+            if again.database_id != identity.database_id {
+                return Err(RelayError::Stream(format!(
+                    "identify: the consumer's database changed while it was asked ({} then {})",
+                    identity.database_id, again.database_id
+                )));
+            }
+            identity = again;
+        }
+    }
+    let mut probes = page.len();
+    let mut asks = 1;
+    let lost = match not_held(&page, &identity.probes_held)? {
+        None => {
+            NO_PROBES_WARNED.call_once(|| {
+                tracing::warn!(
+                    url = %link.url,
+                    "the consumer does not answer inbox probes (an older build): rows it lost are judged by its \
+                     highest inbox position only, which misses rows whose positions a consumer restored from an \
+                     older copy gave to new events since"
+                )
+            });
+            Lost::Beyond(identity.highest_inbox_position)
+        }
+        Some(mut missing) => {
+            let mut lost = Vec::new();
+            // Down the recorded positions while a page held a row the consumer lacks.
+            while !missing.is_empty() {
+                lost.append(&mut missing);
+                let below = page.last().cloned();
+                page = ledger.accepted_page(identity.database_id.clone(), below, PROBE_PAGE, &scope).await?;
+                if page.is_empty() {
+                    break;
+                }
+                let next = ask(&mut client, link, &producer_database_id, &page).await?.ok_or_else(|| {
+                    RelayError::Stream("identify: the consumer stopped answering Identify".into())
+                })?;
+                if next.database_id != identity.database_id {
+                    return Err(RelayError::Stream(format!(
+                        "identify: the consumer's database changed while it was asked ({} then {})",
+                        identity.database_id, next.database_id
+                    )));
+                }
+                probes += page.len();
+                asks += 1;
+                missing = not_held(&page, &next.probes_held)?.ok_or_else(|| {
+                    RelayError::Stream("identify: the consumer stopped answering probes".into())
+                })?;
+            }
+            Lost::Probed(lost)
+        }
+    };
+    let (lost, judged_now) = ledger.resend_lost(identity.database_id.clone(), lost, scope).await?;
     if lost.compacted > 0 {
         // Nothing was unmarked (see `ProducerStore::resend_lost`): say so loudly and stop.
         let e = RelayError::HistoryCompacted {
@@ -127,7 +247,7 @@ pub async fn judge(
             highest_recorded = lost.highest_recorded,
             rows = lost.beyond_history,
             first = ?lost.sample,
-            "CONSUMER DATABASE RESTORED FROM AN OLDER COPY: its history ends before rows it had accepted; \
+            "CONSUMER DATABASE RESTORED FROM AN OLDER COPY: its inbox no longer holds rows it had accepted; \
              they are unaccepted again and sent again (DUPLICATE where it still holds them)"
         );
     }
@@ -136,6 +256,8 @@ pub async fn judge(
         consumer_database_id = %identity.database_id,
         highest_inbox_position = identity.highest_inbox_position,
         partitions_judged = judged_now.len(),
+        probes,
+        asks,
         "consumer identified"
     );
     judged.extend(judged_now);
@@ -144,3 +266,22 @@ pub async fn judge(
 
 /// How often `run` checks the consumer's identity again while it has nothing to send.
 pub const IDLE_RECHECK: Duration = Duration::from_secs(1);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn not_held_names_the_probes_answered_false_and_refuses_a_short_answer() {
+        let probes = vec![(3, "c".to_owned()), (2, "b".to_owned()), (1, "a".to_owned())];
+        assert_eq!(not_held(&probes, &[true, false, true]).unwrap(), Some(vec![(2, "b".to_owned())]));
+        assert_eq!(not_held(&probes, &[true, true, true]).unwrap(), Some(Vec::new()));
+        // An older consumer answers nothing: judged by the highest position instead.
+        assert_eq!(not_held(&probes, &[]).unwrap(), None);
+        // No probes, no answers: nothing to judge here.
+        assert_eq!(not_held(&[], &[]).unwrap(), Some(Vec::new()));
+        let short = not_held(&probes, &[true]).unwrap_err().to_string();
+        assert!(short.contains("answered 1 probes of 3"), "{short}");
+        assert!(not_held(&[], &[true]).is_err());
+    }
+}

@@ -11,7 +11,7 @@ use runtime::OpenError;
 use crate::identity::Judged;
 use crate::lease::Leases;
 
-pub use producer::store::Recorded;
+pub use producer::store::{Lost, Recorded};
 
 /// The store the relay opened, for the metrics scrape's pool gauges.
 pub(crate) static LEDGER_STORE: std::sync::OnceLock<ProducerStore> = std::sync::OnceLock::new();
@@ -198,17 +198,45 @@ impl Ledger {
         Some(held.into_iter().filter(|l| !judged.contains(*l)).collect())
     }
 
-    /// In ONE transaction: what `consumer_db` (whose history reaches `highest_position`)
-    /// lacks of what the outbox recorded as accepted, marked unaccepted again so it is sent
-    /// again. Returns what was found (and unmarked) and the leases judged. Under leases,
-    /// only the rows of `scope` (held before the consumer was asked) still held at the same
-    /// epoch are judged: another relay's rows may be marked, at higher positions, between the
-    /// consumer's answer and this read, which would look like a restored consumer; only this
-    /// relay marks the rows of a partition it held throughout.
+    /// The consumer database the accepted rows name (see
+    /// [`ProducerStore::recorded_consumer_db`]): whose rows to probe before asking.
+    pub async fn recorded_consumer_db(&self) -> Result<Option<String>, StoreError> {
+        self.store.recorded_consumer_db().await
+    }
+
+    /// Up to `limit` rows `consumer_db` accepted, `(position, event_id)`, highest first,
+    /// below `below` (see [`ProducerStore::accepted_page`]); under leases only the rows of
+    /// the partitions of `scope` (the leases being judged).
+    pub async fn accepted_page(
+        &self,
+        consumer_db: String,
+        below: Option<(u64, String)>,
+        limit: usize,
+        scope: &Option<Vec<(u16, u64)>>,
+    ) -> Result<Vec<(u64, String)>, StoreError> {
+        let partitions = match (&self.leases, scope) {
+            (Some(_), Some(leases)) => {
+                if leases.is_empty() {
+                    return Ok(Vec::new());
+                }
+                Some(leases.iter().map(|(p, _)| *p).collect())
+            }
+            _ => None,
+        };
+        self.store.accepted_page(consumer_db, below, limit, partitions).await
+    }
+
+    /// In ONE transaction: what `consumer_db` lacks of what the outbox recorded as accepted
+    /// (rows of other consumer databases, and the rows `lost` names), marked unaccepted
+    /// again so it is sent again. Returns what was found (and unmarked) and the leases
+    /// judged. Under leases, only the rows of `scope` (held before the consumer was asked)
+    /// still held at the same epoch are judged: another relay's rows may be marked, at
+    /// higher positions, between the consumer's answer and this read, which would look like
+    /// a restored consumer; only this relay marks the rows of a partition it held throughout.
     pub async fn resend_lost(
         &self,
         consumer_db: String,
-        highest_position: u64,
+        lost: Lost,
         scope: Option<Vec<(u16, u64)>>,
     ) -> Result<(LostRows, Vec<(u16, u64)>), StoreError> {
         match (&self.leases, scope) {
@@ -219,10 +247,10 @@ impl Ledger {
                     return Ok((LostRows::default(), held));
                 }
                 let partitions = held.iter().map(|(p, _)| *p).collect();
-                let lost = self.store.resend_lost_in(consumer_db, highest_position, partitions).await?;
+                let lost = self.store.resend_lost_in(consumer_db, lost, partitions).await?;
                 Ok((lost, held))
             }
-            _ => Ok((self.store.resend_lost(consumer_db, highest_position).await?, Vec::new())),
+            _ => Ok((self.store.resend_lost(consumer_db, lost).await?, Vec::new())),
         }
     }
 }

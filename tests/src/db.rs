@@ -564,6 +564,12 @@ pub struct ProjectionRow {
     pub held: i64,
 }
 
+/// The highest inbox position the outbox recorded on an accepted row (0 for none).
+pub fn highest_recorded_position(target: &Target) -> u64 {
+    let sql = "SELECT coalesce(max(accepted_position), 0) FROM outbox WHERE accepted = 1";
+    open_ro(target).one(Store::Producer, "outbox", sql).unwrap_or_else(|e| panic!("{target}: {e}"))
+}
+
 /// All producer flows, by flow_id.
 pub fn read_flows(s: &Session) -> Result<Vec<FlowRow>, String> {
     let sql = "SELECT flow_id, seq, state, amount FROM flow ORDER BY flow_id";

@@ -444,9 +444,17 @@ impl ConsumerStore {
 
     /// The identity and the highest inbox position, read in one snapshot.
     pub async fn identity(&self) -> Result<Identity> {
+        Ok(self.identify(Vec::new()).await?.0)
+    }
+
+    /// [`ConsumerStore::identity`] and, read in the same snapshot, for each probe
+    /// `(position, event_id)` in order, whether the inbox row at that position holds that
+    /// event (a row compacted to a tombstone does; a position holding another event or none
+    /// does not). One read, however many probes (the caller bounds them).
+    pub async fn identify(&self, probes: Vec<(u64, String)>) -> Result<(Identity, Vec<bool>)> {
         match self {
-            ConsumerStore::Sqlite(s) => s.identity().await,
-            ConsumerStore::Postgres(p) => p.identity().await,
+            ConsumerStore::Sqlite(s) => s.identify(probes).await,
+            ConsumerStore::Postgres(p) => p.identify(probes).await,
         }
     }
 

@@ -528,20 +528,33 @@ impl PgStore {
         Ok(PgStore { pool: opened.pool })
     }
 
-    pub(crate) async fn identity(&self) -> Result<Identity> {
+    pub(crate) async fn identify(&self, probes: Vec<(u64, String)>) -> Result<(Identity, Vec<bool>)> {
         let client = self.pool.get().await?;
-        // One statement: one snapshot.
+        // A position past BIGINT names no row: probed as -1, which no position is.
+        let positions: Vec<i64> = probes.iter().map(|(p, _)| i64::try_from(*p).unwrap_or(-1)).collect();
+        // One statement: one snapshot; the probed positions by the unique index on position.
         let row = client
             .query_one(
-                "SELECT (SELECT database_id FROM meta WHERE id = 1),
-                        (SELECT coalesce(max(position), 0) FROM inbox)",
-                &[],
+                "WITH probed AS (SELECT position, event_id FROM inbox WHERE position = ANY($1::bigint[]))
+                 SELECT (SELECT database_id FROM meta WHERE id = 1),
+                        (SELECT coalesce(max(position), 0) FROM inbox),
+                        coalesce((SELECT array_agg(position ORDER BY position) FROM probed), '{}'),
+                        coalesce((SELECT array_agg(event_id ORDER BY position) FROM probed), '{}')",
+                &[&positions],
             )
             .await?;
         let database_id: Option<String> = row.get(0);
         let database_id =
             database_id.ok_or_else(|| StoreError::Inconsistent("the meta row is missing".into()))?;
-        Ok(Identity { database_id, highest_position: unsigned(row.get(1)) })
+        let found_at: Vec<i64> = row.get(2);
+        let found_ids: Vec<String> = row.get(3);
+        let found: std::collections::HashMap<i64, String> = found_at.into_iter().zip(found_ids).collect();
+        let held = positions
+            .iter()
+            .zip(&probes)
+            .map(|(at, (_, event_id))| found.get(at).is_some_and(|held| held == event_id))
+            .collect();
+        Ok((Identity { database_id, highest_position: unsigned(row.get(1)) }, held))
     }
 
     pub(crate) async fn receive_batch(&self, jobs: &[Incoming], ctx: ReceiveContext) -> Vec<BatchAnswer> {

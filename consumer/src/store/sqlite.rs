@@ -260,10 +260,12 @@ impl SqliteStore {
         with_locked(&self.conn, f).await.map_err(|e| StoreError::Failed(e.to_string()))?
     }
 
-    pub(crate) async fn identity(&self) -> Result<Identity> {
-        self.with_conn(|conn| {
+    pub(crate) async fn identify(&self, probes: Vec<(u64, String)>) -> Result<(Identity, Vec<bool>)> {
+        self.with_conn(move |conn| {
             let tx = conn.transaction()?;
-            identity(&tx)
+            let identity = identity(&tx)?;
+            let held = probes_held(&tx, &probes)?;
+            Ok((identity, held))
         })
         .await
     }
@@ -1016,6 +1018,26 @@ pub fn identity(conn: &Connection) -> Result<Identity> {
     let highest_position: u64 =
         conn.prepare_cached("SELECT coalesce(max(rowid), 0) FROM inbox")?.query_row([], |r| r.get(0))?;
     Ok(Identity { database_id, highest_position })
+}
+
+/// For each `(position, event_id)`, whether the inbox row at that position (its rowid) holds
+/// that event; a tombstone keeps its row, so it does. One cached primary-key lookup each,
+/// inside the caller's read transaction.
+pub fn probes_held(conn: &Connection, probes: &[(u64, String)]) -> Result<Vec<bool>> {
+    if probes.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut at = conn.prepare_cached("SELECT event_id FROM inbox WHERE rowid = ?1")?;
+    let mut held = Vec::with_capacity(probes.len());
+    for (position, event_id) in probes {
+        // A position past i64 names no row (rowids are i64).
+        let found: Option<String> = match i64::try_from(*position) {
+            Ok(rowid) => at.query_row([rowid], |r| r.get(0)).optional()?,
+            Err(_) => None,
+        };
+        held.push(found.as_deref() == Some(event_id.as_str()));
+    }
+    Ok(held)
 }
 
 /// The inbox position of a stored event (its rowid), if stored.

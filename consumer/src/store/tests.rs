@@ -153,6 +153,38 @@ async fn receive_outcomes_and_positions() {
     }
 }
 
+/// Identify's probes: a position holding the probed event is held (a tombstone too); one
+/// holding another event, or none, is not; answers come in the probes' order.
+#[tokio::test(flavor = "multi_thread")]
+async fn identify_answers_each_probe_by_position_and_event() {
+    for (store, _keep) in stores("c_identify_probes").await {
+        let b = store.backend();
+        let (identity, held) = store.identify(Vec::new()).await.unwrap();
+        assert!(held.is_empty(), "{b}");
+        assert_eq!(identity.highest_position, 0, "{b}");
+        let a1 = receive_one(&store, reference("A", 1), Admission::Unlimited).await.position;
+        let b1 = receive_one(&store, reference("B", 1), Admission::Unlimited).await.position;
+        // A1 applied and compacted to a tombstone; B1 pending with its body.
+        assert_eq!(apply(&store, "A", 10, ApplyOptions::default()).await.applied.len(), 1, "{b}");
+        let report = store.compact(runtime::now_us() + 1, CrashSwitch::default(), 0).await.unwrap();
+        assert_eq!(report.compacted, 1, "{b}: {report:?}");
+        assert!(store.flow("A".into()).await.unwrap().inbox[0].compacted.is_some(), "{b}: a tombstone");
+        let probes = vec![
+            (b1, "B1".to_owned()),
+            (a1, "A1".to_owned()),
+            // The position holds another event (a restored inbox gave it away).
+            (b1, "X1".to_owned()),
+            // No row at the position, and one past any BIGINT.
+            (b1 + 100, "B1".to_owned()),
+            (u64::MAX, "A1".to_owned()),
+        ];
+        let (identity, held) = store.identify(probes).await.unwrap();
+        assert_eq!(held, [true, true, false, false, false], "{b}");
+        assert_eq!(identity.highest_position, b1, "{b}");
+        assert_eq!(identity, store.identity().await.unwrap(), "{b}");
+    }
+}
+
 /// Duplicates inside one batch get exactly the answers one transaction each would give.
 #[tokio::test(flavor = "multi_thread")]
 async fn duplicates_within_a_batch_answer_as_if_sequential() {

@@ -363,15 +363,16 @@ pub const NO_ANSWER: &str = "NO_ANSWER";
 /// The `last_outcome` of a row marked unaccepted again because its consumer lost it.
 pub const LOST_BY_CONSUMER: &str = "LOST_BY_CONSUMER";
 
-/// Accepted rows the consumer database `consumer_db`, whose history reaches
-/// `highest_position`, no longer holds: rows another consumer database accepted, and rows
-/// this one accepted at a later position (it was restored from an older copy). Rows accepted
-/// before positions were recorded are not counted (nothing is known about them).
+/// Accepted rows the consumer database `consumer_db` no longer holds: rows another consumer
+/// database accepted, and rows this one accepted that it lost (it was restored from an older
+/// copy; see [`Lost`]). Rows accepted before positions were recorded are not counted (nothing
+/// is known about them).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LostRows {
     /// Rows accepted by another consumer database.
     pub other_database: u64,
-    /// Rows this consumer database accepted beyond its history.
+    /// Rows this consumer database accepted and no longer holds ([`Lost`]: recorded beyond its
+    /// history, or probed and not held).
     pub beyond_history: u64,
     /// The highest position this consumer database answered.
     pub highest_recorded: u64,
@@ -382,6 +383,34 @@ pub struct LostRows {
     pub compacted: u64,
     /// A few of the compacted lost rows' event ids, for the log.
     pub compacted_sample: Vec<String>,
+}
+
+/// A probed row a consumer does not hold that is still recorded as accepted by it, at the
+/// position probed.
+#[derive(Clone, Debug)]
+pub(crate) struct ProbedRow {
+    pub event_id: String,
+    pub flow_id: String,
+    pub seq: u64,
+    /// Compaction reduced it to a tombstone: it cannot be sent again.
+    pub compacted: bool,
+}
+
+/// Adds the probed rows still recorded to what the backend found of the other databases'
+/// rows (counts and the first few ids, in `(flow_id, seq)` order).
+pub(crate) fn add_probed(found: &mut LostRows, probed: &[ProbedRow]) {
+    if probed.is_empty() {
+        return;
+    }
+    found.beyond_history += probed.len() as u64;
+    let mut in_order: Vec<&ProbedRow> = probed.iter().collect();
+    in_order.sort_by(|a, b| (&a.flow_id, a.seq).cmp(&(&b.flow_id, b.seq)));
+    let room = 5usize.saturating_sub(found.sample.len());
+    found.sample.extend(in_order.iter().take(room).map(|r| r.event_id.clone()));
+    let compacted: Vec<&&ProbedRow> = in_order.iter().filter(|r| r.compacted).collect();
+    found.compacted += compacted.len() as u64;
+    let room = 5usize.saturating_sub(found.compacted_sample.len());
+    found.compacted_sample.extend(compacted.iter().take(room).map(|r| r.event_id.clone()));
 }
 
 /// The outbox backlog as the metrics report it.
@@ -681,19 +710,15 @@ impl ProducerStore {
         }
     }
 
-    /// In ONE transaction: what `consumer_db` (whose history reaches `highest_position`)
-    /// lacks of what the outbox recorded as accepted, marked unaccepted again (last outcome
-    /// [`LOST_BY_CONSUMER`]) so it is sent again. Returns what was found (and unmarked). If
-    /// any of those rows is compacted ([`LostRows::compacted`]), nothing is unmarked: they
-    /// cannot be sent again, and the caller must stop.
-    pub async fn resend_lost(
-        &self,
-        consumer_db: String,
-        highest_position: u64,
-    ) -> Result<LostRows, StoreError> {
+    /// In ONE transaction: what `consumer_db` lacks of what the outbox recorded as accepted
+    /// (rows another consumer database accepted, and the rows `lost` names), marked
+    /// unaccepted again (last outcome [`LOST_BY_CONSUMER`]) so it is sent again. Returns what
+    /// was found (and unmarked). If any of those rows is compacted ([`LostRows::compacted`]),
+    /// nothing is unmarked: they cannot be sent again, and the caller must stop.
+    pub async fn resend_lost(&self, consumer_db: String, lost: Lost) -> Result<LostRows, StoreError> {
         match self {
-            ProducerStore::Sqlite(s) => s.resend_lost(consumer_db, highest_position).await,
-            ProducerStore::Postgres(s) => s.resend_lost(consumer_db, highest_position, None).await,
+            ProducerStore::Sqlite(s) => s.resend_lost(consumer_db, lost).await,
+            ProducerStore::Postgres(s) => s.resend_lost(consumer_db, lost, None).await,
         }
     }
 
@@ -702,16 +727,59 @@ impl ProducerStore {
     pub async fn resend_lost_in(
         &self,
         consumer_db: String,
-        highest_position: u64,
+        lost: Lost,
         partitions: Vec<u16>,
     ) -> Result<LostRows, StoreError> {
         match self {
             ProducerStore::Sqlite(_) => Err(StoreError::NotSupported(LEASES_NEED_POSTGRES)),
-            ProducerStore::Postgres(s) => {
-                s.resend_lost(consumer_db, highest_position, Some(partitions)).await
+            ProducerStore::Postgres(s) => s.resend_lost(consumer_db, lost, Some(partitions)).await,
+        }
+    }
+
+    /// The consumer database most likely to answer a relay's next `Identify`: the one the
+    /// accepted rows name (one index read). `None` when no accepted row names one. When rows
+    /// name several (a replaced database, until its rows are sent again), one of them.
+    pub async fn recorded_consumer_db(&self) -> Result<Option<String>, StoreError> {
+        match self {
+            ProducerStore::Sqlite(s) => s.recorded_consumer_db().await,
+            ProducerStore::Postgres(s) => s.recorded_consumer_db().await,
+        }
+    }
+
+    /// Up to `limit` accepted rows `consumer_db` answered for, as `(position, event_id)`,
+    /// highest position first (ties by event id, descending), strictly below `below` when
+    /// given (the last row of the previous page); under leases only rows of `partitions`
+    /// (PostgreSQL). A range read of the index on `(accepted_by, accepted_position)` of
+    /// accepted rows, on both backends.
+    pub async fn accepted_page(
+        &self,
+        consumer_db: String,
+        below: Option<(u64, String)>,
+        limit: usize,
+        partitions: Option<Vec<u16>>,
+    ) -> Result<Vec<(u64, String)>, StoreError> {
+        match (self, partitions) {
+            (ProducerStore::Sqlite(s), None) => s.accepted_page(consumer_db, below, limit).await,
+            (ProducerStore::Sqlite(_), Some(_)) => Err(StoreError::NotSupported(LEASES_NEED_POSTGRES)),
+            (ProducerStore::Postgres(s), partitions) => {
+                s.accepted_page(consumer_db, below, limit, partitions).await
             }
         }
     }
+}
+
+/// Which rows of a consumer database's own a relay found lost (see
+/// [`ProducerStore::resend_lost`]); rows another consumer database accepted are lost either way.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Lost {
+    /// Every row recorded above this inbox position (the consumer's highest): the judgement
+    /// of a consumer that cannot answer probes (an older build). It misses rows whose
+    /// positions a restored consumer gave to new events since.
+    Beyond(u64),
+    /// Exactly the rows recorded at these `(position, event_id)` pairs, still recorded so:
+    /// the consumer answered that its inbox does not hold them there. A row accepted again
+    /// (or unmarked) since the probe is left as it is.
+    Probed(Vec<(u64, String)>),
 }
 
 #[cfg(test)]

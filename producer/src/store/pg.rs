@@ -28,7 +28,8 @@ type Params<'a, const N: usize> = [&'a (dyn ToSql + Sync); N];
 
 use super::{
     ADVANCE_BATCHES, AdvanceReply, Backlog, CompactReport, Decision, FlowRecord, LOST_BY_CONSUMER, LeaseRow,
-    LeaseView, LostRows, MARK_BATCHES, NO_ANSWER, OutboxRecord, Recorded, Role, StoreError, decide,
+    LeaseView, Lost, LostRows, MARK_BATCHES, NO_ANSWER, OutboxRecord, ProbedRow, Recorded, Role, StoreError,
+    add_probed, decide,
 };
 use crate::request::AdvanceCommand;
 
@@ -367,6 +368,48 @@ impl PgStore {
         super::refuse_compacted(rows.iter().map(|r| outbox_from_row(r, 0)).collect::<Result<_, _>>()?)
     }
 
+    pub(super) async fn recorded_consumer_db(&self) -> Result<Option<String>, StoreError> {
+        let what = "read the consumer database of accepted rows";
+        let client = self.client().await?;
+        // The last entry of `outbox_accepted_by` (an index-only read backwards).
+        let row = client
+            .query_one("SELECT max(accepted_by) FROM outbox WHERE accepted = 1", &[])
+            .await
+            .map_err(|e| StoreError::from(e).during(what))?;
+        row.try_get(0).map_err(|e| StoreError::from(e).during(what))
+    }
+
+    pub(super) async fn accepted_page(
+        &self,
+        consumer_db: String,
+        below: Option<(u64, String)>,
+        limit: usize,
+        partitions: Option<Vec<u16>>,
+    ) -> Result<Vec<(u64, String)>, StoreError> {
+        let what = "read accepted rows by position";
+        let client = self.client().await?;
+        let stmt = client
+            .prepare_cached(
+                "SELECT accepted_position, event_id FROM outbox
+                 WHERE accepted = 1 AND accepted_by = $1 AND accepted_position <= $2
+                   AND (accepted_position < $2 OR event_id < $3)
+                   AND ($5::smallint[] IS NULL OR partition = ANY($5))
+                 ORDER BY accepted_position DESC, event_id DESC LIMIT $4",
+            )
+            .await
+            .map_err(|e| StoreError::from(e).during(what))?;
+        // The first page: below a position no row has (the id is then never compared).
+        let (position, event_id) = below.unwrap_or((i64::MAX as u64, String::new()));
+        let position = seq_param(position)?;
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let partitions: Option<Vec<i16>> = partitions.map(|ps| ps.iter().map(|&p| p as i16).collect());
+        let rows = client
+            .query(&stmt, &[&consumer_db, &position, &event_id, &limit, &partitions])
+            .await
+            .map_err(|e| StoreError::from(e).during(what))?;
+        rows.iter().map(|r| Ok((unsigned(r, 0, "accepted position")?, r.try_get(1)?))).collect()
+    }
+
     pub(super) async fn record_deliveries(
         &self,
         answers: Vec<Recorded>,
@@ -675,12 +718,21 @@ impl PgStore {
     pub(super) async fn resend_lost(
         &self,
         consumer_db: String,
-        highest_position: u64,
+        lost: Lost,
         partitions: Option<Vec<u16>>,
     ) -> Result<LostRows, StoreError> {
         let client = self.client().await?;
         let partitions: Option<Vec<i16>> = partitions.map(|ps| ps.iter().map(|&p| p as i16).collect());
-        let highest = seq_param(highest_position)?;
+        // Probes judge this database's rows: no row is lost for being above a position.
+        let (highest, probed) = match lost {
+            Lost::Beyond(highest) => (seq_param(highest)?, Vec::new()),
+            Lost::Probed(pairs) => (i64::MAX, pairs),
+        };
+        // A probed position past BIGINT names no row.
+        let probed: Vec<(i64, String)> =
+            probed.into_iter().filter_map(|(p, id)| Some((i64::try_from(p).ok()?, id))).collect();
+        let probed_positions: Vec<i64> = probed.iter().map(|(p, _)| *p).collect();
+        let probed_ids: Vec<String> = probed.into_iter().map(|(_, id)| id).collect();
         let consumer_db = consumer_db.as_str();
         retrying(client, "unmark rows the consumer lost", async |client: &Conn| {
             {
@@ -725,16 +777,29 @@ impl PgStore {
                            AND ($3::smallint[] IS NULL OR partition = ANY($3))",
                     )
                     .await?;
-                // BEGIN and the four reads in one round trip, one transaction with the unmark.
+                // The probed rows still recorded as accepted by this database at the position
+                // probed (none when judging by the highest position).
+                let still_recorded = client
+                    .prepare_cached(
+                        "SELECT o.event_id, o.flow_id, o.seq, o.body IS NULL FROM outbox o
+                         JOIN unnest($2::text[], $3::bigint[]) AS p(event_id, position)
+                           ON o.event_id = p.event_id
+                         WHERE o.accepted = 1 AND o.accepted_by = $1 AND o.accepted_position = p.position
+                           AND ($4::smallint[] IS NULL OR o.partition = ANY($4))",
+                    )
+                    .await?;
+                // BEGIN and the reads in one round trip, one transaction with the unmark.
                 let by: Params<'_, 2> = [&consumer_db, &partitions];
                 let by_beyond: Params<'_, 3> = [&consumer_db, &highest, &partitions];
-                let (begun, other, beyond, recorded, sample, compacted) = futures::join!(
+                let by_probe: Params<'_, 4> = [&consumer_db, &probed_ids, &probed_positions, &partitions];
+                let (begun, other, beyond, recorded, sample, compacted, probed) = futures::join!(
                     client.batch_execute("BEGIN"),
                     client.query_one(&other, &by),
                     client.query_one(&beyond, &by_beyond),
                     client.query_one(&highest_recorded, &by),
                     client.query(&sample, &by_beyond),
                     client.query_one(&compacted, &by_beyond),
+                    client.query(&still_recorded, &by_probe),
                 );
                 begun?;
                 let compacted = compacted?;
@@ -750,6 +815,19 @@ impl PgStore {
                     compacted: unsigned(&compacted, 0, "compacted lost rows")?,
                     compacted_sample: compacted.try_get(1)?,
                 };
+                let probed: Vec<ProbedRow> = probed?
+                    .iter()
+                    .map(|r| {
+                        Ok(ProbedRow {
+                            event_id: r.try_get(0)?,
+                            flow_id: r.try_get(1)?,
+                            seq: unsigned(r, 2, "seq")?,
+                            compacted: r.try_get(3)?,
+                        })
+                    })
+                    .collect::<Result<_, StoreError>>()?;
+                let mut lost = lost;
+                add_probed(&mut lost, &probed);
                 // Rows compacted to tombstones cannot be sent again: unmark nothing, the caller
                 // stops.
                 if lost.other_database + lost.beyond_history == 0 || lost.compacted > 0 {
@@ -766,8 +844,24 @@ impl PgStore {
                          RETURNING event_id, body IS NULL",
                     )
                     .await?;
-                let unmarked =
+                let unmark_probed = client
+                    .prepare_cached(
+                        "UPDATE outbox o SET accepted = 0, accepted_at_us = NULL, accepted_by = NULL,
+                             accepted_position = NULL, last_outcome = $4
+                         FROM unnest($2::text[], $3::bigint[]) AS p(event_id, position)
+                         WHERE o.event_id = p.event_id AND o.accepted = 1 AND o.accepted_by = $1
+                           AND o.accepted_position = p.position
+                           AND ($5::smallint[] IS NULL OR o.partition = ANY($5))
+                         RETURNING o.event_id, o.body IS NULL",
+                    )
+                    .await?;
+                let mut unmarked =
                     client.query(&unmark, &[&consumer_db, &highest, &LOST_BY_CONSUMER, &partitions]).await?;
+                if !probed_ids.is_empty() {
+                    let probed_params: Params<'_, 5> =
+                        [&consumer_db, &probed_ids, &probed_positions, &LOST_BY_CONSUMER, &partitions];
+                    unmarked.extend(client.query(&unmark_probed, &probed_params).await?);
+                }
                 // The reads above ran before the rows were locked: a compaction that
                 // committed in between shows here, on each row's newest version. Then
                 // nothing is unmarked, as when the reads saw it.

@@ -17,7 +17,8 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::{
     AcceptedBy, AdvanceReply, Backlog, CompactReport, Decision, DeliveryAnswer, FlowRecord, LOST_BY_CONSUMER,
-    LostRows, MARK_BATCHES, NO_ANSWER, OutboxRecord, Recorded, Role, StoreError, decide,
+    Lost, LostRows, MARK_BATCHES, NO_ANSWER, OutboxRecord, ProbedRow, Recorded, Role, StoreError, add_probed,
+    decide,
 };
 use crate::request::AdvanceCommand;
 
@@ -316,22 +317,65 @@ impl SqliteStore {
         .await
     }
 
-    pub(super) async fn resend_lost(
-        &self,
-        consumer_db: String,
-        highest_position: u64,
-    ) -> Result<LostRows, StoreError> {
+    pub(super) async fn resend_lost(&self, consumer_db: String, lost: Lost) -> Result<LostRows, StoreError> {
         self.blocking("unmark rows the consumer lost", move |conn, _| {
             let tx = db::begin_immediate(conn)?;
-            let lost = lost_rows(&tx, &consumer_db, highest_position)?;
+            // Probes judge this database's rows: no row is lost for being above a position.
+            let highest_position = match &lost {
+                Lost::Beyond(highest) => *highest,
+                Lost::Probed(_) => NOTHING_BEYOND,
+            };
+            let mut found = lost_rows(&tx, &consumer_db, highest_position)?;
+            let probed = match &lost {
+                Lost::Beyond(_) => Vec::new(),
+                Lost::Probed(pairs) => still_recorded(&tx, &consumer_db, pairs)?,
+            };
+            add_probed(&mut found, &probed);
             // Rows compacted to tombstones cannot be sent again: unmark nothing, the caller stops.
-            if lost.other_database + lost.beyond_history > 0 && lost.compacted == 0 {
+            if found.other_database + found.beyond_history > 0 && found.compacted == 0 {
                 let mut unaccepted = Unaccepted::new(None);
                 unmark_lost(&tx, &consumer_db, highest_position, &mut unaccepted)?;
+                unmark_probed(&tx, &consumer_db, &probed, &mut unaccepted)?;
                 unaccepted.write(&tx)?;
                 tx.commit()?;
             }
-            Ok(lost)
+            Ok(found)
+        })
+        .await
+    }
+
+    pub(super) async fn recorded_consumer_db(&self) -> Result<Option<String>, StoreError> {
+        self.blocking("read the consumer database of accepted rows", |conn, _| {
+            Ok(conn
+                .prepare_cached(
+                    "SELECT max(accepted_by) FROM outbox INDEXED BY outbox_accepted_by WHERE accepted = 1",
+                )?
+                .query_row([], |r| r.get(0))?)
+        })
+        .await
+    }
+
+    pub(super) async fn accepted_page(
+        &self,
+        consumer_db: String,
+        below: Option<(u64, String)>,
+        limit: usize,
+    ) -> Result<Vec<(u64, String)>, StoreError> {
+        self.blocking("read accepted rows by position", move |conn, _| {
+            // The first page: below a position no row has (the id is then never compared).
+            let (position, event_id) = below.unwrap_or((NOTHING_BEYOND, String::new()));
+            let rows = conn
+                .prepare_cached(
+                    "SELECT accepted_position, event_id FROM outbox INDEXED BY outbox_accepted_by
+                     WHERE accepted = 1 AND accepted_by = ?1 AND accepted_position <= ?2
+                       AND (accepted_position < ?2 OR event_id < ?3)
+                     ORDER BY accepted_position DESC, event_id DESC LIMIT ?4",
+                )?
+                .query_map(params![consumer_db, position, event_id, limit as i64], |r| {
+                    Ok((r.get(0)?, r.get(1)?))
+                })?
+                .collect::<rusqlite::Result<_>>()?;
+            Ok(rows)
         })
         .await
     }
@@ -716,6 +760,60 @@ pub fn database_id(conn: &Connection) -> Result<String, StoreError> {
     Ok(conn
         .prepare_cached("SELECT database_id FROM database_identity WHERE id = 1")?
         .query_row([], |r| r.get(0))?)
+}
+
+/// A position no inbox reaches (rowids and BIGINTs are i64): judging "beyond" it judges no
+/// row of the consumer database's own.
+pub const NOTHING_BEYOND: u64 = i64::MAX as u64;
+
+/// Of the probed `(position, event_id)` pairs, the rows still recorded as accepted by
+/// `consumer_db` at that position.
+fn still_recorded(
+    conn: &Connection,
+    consumer_db: &str,
+    pairs: &[(u64, String)],
+) -> Result<Vec<ProbedRow>, StoreError> {
+    let mut read = conn.prepare_cached(
+        "SELECT flow_id, seq, NOT EXISTS (SELECT 1 FROM outbox_body WHERE outbox_body.id = outbox.id)
+         FROM outbox WHERE event_id = ?1 AND accepted = 1 AND accepted_by = ?2 AND accepted_position = ?3",
+    )?;
+    let mut rows = Vec::new();
+    for (position, event_id) in pairs {
+        let Ok(position) = i64::try_from(*position) else { continue };
+        let row = read
+            .query_row(params![event_id, consumer_db, position], |r| {
+                Ok(ProbedRow {
+                    event_id: event_id.clone(),
+                    flow_id: r.get(0)?,
+                    seq: r.get(1)?,
+                    compacted: r.get(2)?,
+                })
+            })
+            .optional()?;
+        rows.extend(row);
+    }
+    Ok(rows)
+}
+
+/// Inside a relay's transaction: marks the probed rows [`still_recorded`] found unaccepted
+/// again, each only while still recorded at its position by `consumer_db`.
+fn unmark_probed(
+    tx: &Transaction<'_>,
+    consumer_db: &str,
+    probed: &[ProbedRow],
+    unaccepted: &mut Unaccepted,
+) -> Result<u64, StoreError> {
+    let mut unmark = tx.prepare_cached(
+        "UPDATE outbox SET accepted = 0, accepted_at_us = NULL, accepted_by = NULL,
+             accepted_position = NULL, last_outcome = ?3
+         WHERE event_id = ?1 AND accepted = 1 AND accepted_by = ?2",
+    )?;
+    let mut changed = 0;
+    for row in probed {
+        changed += unmark.execute(params![row.event_id, consumer_db, LOST_BY_CONSUMER])? as u64;
+    }
+    unaccepted.delta += changed as i64;
+    Ok(changed)
 }
 
 const LOST_WHERE: &str = "accepted = 1 AND accepted_by IS NOT NULL

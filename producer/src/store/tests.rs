@@ -347,7 +347,7 @@ async fn rows_a_consumer_lost_are_unmarked_and_counted_again() {
         ];
         store.record_deliveries(answers, c1.clone()).await.unwrap();
         // Nothing lost: nothing changes.
-        let none = store.resend_lost("c1".into(), 3).await.unwrap();
+        let none = store.resend_lost("c1".into(), Lost::Beyond(3)).await.unwrap();
         assert_eq!(none, LostRows { highest_recorded: 3, ..LostRows::default() });
         assert_eq!(backlog(&store).await.unaccepted, 1, "{}", store.backend());
         store
@@ -356,7 +356,7 @@ async fn rows_a_consumer_lost_are_unmarked_and_counted_again() {
             .unwrap();
         assert_eq!(backlog(&store).await.unaccepted, 0);
         // c1 restored to position 1, B1 held by another database: A2, A3 and B1 are lost.
-        let lost = store.resend_lost("c1".into(), 1).await.unwrap();
+        let lost = store.resend_lost("c1".into(), Lost::Beyond(1)).await.unwrap();
         assert_eq!((lost.other_database, lost.beyond_history, lost.highest_recorded), (1, 2, 3));
         assert_eq!(lost.sample, ["A2", "A3", "B1"]);
         assert_eq!(backlog(&store).await.unaccepted, 3);
@@ -367,9 +367,74 @@ async fn rows_a_consumer_lost_are_unmarked_and_counted_again() {
         let page = store.unaccepted_after(("A".into(), 2), 10).await.unwrap();
         assert_eq!(page.iter().map(|r| r.event_id.as_str()).collect::<Vec<_>>(), ["A3", "B1"]);
         assert_eq!(
-            store.resend_lost("c1".into(), 1).await.unwrap(),
+            store.resend_lost("c1".into(), Lost::Beyond(1)).await.unwrap(),
             LostRows { highest_recorded: 1, ..LostRows::default() }
         );
+    })
+    .await;
+}
+
+/// Probes: the accepted rows of one consumer database page down by position (ties by event
+/// id), and exactly the probed rows still recorded at the probed position are unmarked.
+#[tokio::test]
+async fn rows_a_consumer_no_longer_holds_by_probe_are_unmarked_exactly() {
+    on_both("producer_store_probed", |place| async move {
+        let store = place.open(None).await;
+        assert_eq!(store.recorded_consumer_db().await.unwrap(), None);
+        for (i, (id, kind)) in
+            [("A1", "reserved"), ("A2", "confirmed"), ("A3", "released")].iter().enumerate()
+        {
+            outcome(&store, cmd(id, i as u64, kind, 1, 3)).await;
+        }
+        for flow in ["B", "C", "D"] {
+            outcome(&store, cmd_on(flow, &format!("{flow}1"), 0, "reserved", 1, 3)).await;
+        }
+        let answers = vec![
+            accepted("A1", DeliveryAnswer::Accepted, 1),
+            accepted("A2", DeliveryAnswer::Accepted, 2),
+            accepted("A3", DeliveryAnswer::Accepted, 3),
+            // The same position twice (a restored consumer gave it to another event since).
+            accepted("D1", DeliveryAnswer::Accepted, 3),
+            accepted("B1", DeliveryAnswer::Accepted, 4),
+        ];
+        store.record_deliveries(answers, Some("c1".into())).await.unwrap();
+        assert_eq!(store.recorded_consumer_db().await.unwrap().as_deref(), Some("c1"));
+        let page = |below: Option<(u64, &str)>| {
+            let store = store.clone();
+            let below = below.map(|(p, id)| (p, id.to_owned()));
+            async move { store.accepted_page("c1".into(), below, 2, None).await.unwrap() }
+        };
+        let ids = |rows: Vec<(u64, String)>| {
+            rows.into_iter().map(|(p, id)| format!("{p}:{id}")).collect::<Vec<_>>()
+        };
+        assert_eq!(ids(page(None).await), ["4:B1", "3:D1"]);
+        assert_eq!(ids(page(Some((3, "D1"))).await), ["3:A3", "2:A2"]);
+        assert_eq!(ids(page(Some((2, "A2"))).await), ["1:A1"]);
+        assert!(page(Some((1, "A1"))).await.is_empty());
+        assert!(store.accepted_page("c9".into(), None, 2, None).await.unwrap().is_empty());
+
+        // A3 lost; X9 was never recorded; A1 is recorded at 1, not 2: only A3 is unmarked.
+        let probed = vec![(3, "A3".to_owned()), (4, "X9".to_owned()), (2, "A1".to_owned())];
+        let lost = store.resend_lost("c1".into(), Lost::Probed(probed)).await.unwrap();
+        assert_eq!((lost.other_database, lost.beyond_history, lost.compacted), (0, 1, 0), "{lost:?}");
+        assert_eq!(lost.sample, ["A3"]);
+        assert_eq!(backlog(&store).await.unaccepted, 2, "{}", store.backend());
+        let again = store.unaccepted_after((String::new(), 0), 10).await.unwrap();
+        assert_eq!(again.iter().map(|r| r.event_id.as_str()).collect::<Vec<_>>(), ["A3", "C1"]);
+        assert_eq!(again[0].last_outcome.as_deref(), Some(LOST_BY_CONSUMER));
+        // Probed again: no longer recorded accepted, so nothing changes.
+        let lost = store.resend_lost("c1".into(), Lost::Probed(vec![(3, "A3".to_owned())])).await.unwrap();
+        assert_eq!(lost.beyond_history, 0, "{lost:?}");
+        // Positions above the highest judge nothing when probes judge (only other databases).
+        store
+            .record_deliveries(vec![accepted("C1", DeliveryAnswer::Accepted, 1)], Some("c0".into()))
+            .await
+            .unwrap();
+        let lost = store.resend_lost("c1".into(), Lost::Probed(Vec::new())).await.unwrap();
+        assert_eq!((lost.other_database, lost.beyond_history), (1, 0), "{lost:?}");
+        assert_eq!(lost.sample, ["C1"]);
+        let again = store.unaccepted_after((String::new(), 0), 10).await.unwrap();
+        assert_eq!(again.iter().map(|r| r.event_id.as_str()).collect::<Vec<_>>(), ["A3", "C1"]);
     })
     .await;
 }
@@ -644,8 +709,13 @@ async fn compaction_keeps_answers_exact_and_never_resends_a_tombstone() {
         let changed = store.advance(cmd("A2", 1, "confirmed", 2, 3)).await.unwrap();
         assert_eq!(changed.outcome, AdvanceOutcome::Conflict);
         assert!(changed.event.unwrap().compacted);
+        // Probes say the consumer lost A2, a tombstone: nothing unmarked.
+        let lost = store.resend_lost("c1".into(), Lost::Probed(vec![(2, "A2".to_owned())])).await.unwrap();
+        assert_eq!((lost.beyond_history, lost.compacted), (1, 1), "{lost:?}");
+        assert_eq!(lost.compacted_sample, ["A2"]);
+        assert_eq!(backlog(&store).await.unaccepted, 1);
         // The consumer restored to position 1 lost A2 and A3, both tombstones: nothing unmarked.
-        let lost = store.resend_lost("c1".into(), 1).await.unwrap();
+        let lost = store.resend_lost("c1".into(), Lost::Beyond(1)).await.unwrap();
         assert_eq!((lost.beyond_history, lost.compacted), (2, 2), "{lost:?}");
         assert_eq!(lost.compacted_sample, ["A2", "A3"]);
         assert_eq!(backlog(&store).await.unaccepted, 1);

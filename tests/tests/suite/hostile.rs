@@ -256,6 +256,42 @@ async fn advance_boundary_table() {
     assert_eq!(db::outbox(&producer.db).len(), committed);
 }
 
+/// Identify's probes: 1024 are answered (one per probe, in order), 1025 or a malformed event
+/// id are INVALID_ARGUMENT naming the field and the limit, and the consumer still answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn identify_probe_limits() {
+    let Some(work) = Workdir::for_test() else { return };
+    let consumer = Consumer::start(&work, false, &[]);
+    let accepted = consumer.receive(vec![env("p1", "f1", 1, "reserved", 1, r#"{"amount":3}"#)]).await;
+    assert_eq!(ReceiveOutcome::try_from(accepted[0].outcome), Ok(ReceiveOutcome::Accepted));
+    let position = accepted[0].inbox_position;
+    let mut client = consumer.client().await;
+    let probe = |i: u64| pb::InboxProbe { position: i, event_id: format!("p{i}") };
+    let ask = |probes: Vec<pb::InboxProbe>| pb::IdentifyRequest { producer_database_id: "x".into(), probes };
+    let mut at_limit: Vec<pb::InboxProbe> = (2..=1024).map(probe).collect();
+    at_limit.insert(0, pb::InboxProbe { position, event_id: "p1".into() });
+    let answer = client.identify(ask(at_limit)).await.expect("1024 probes").into_inner();
+    assert_eq!(answer.probes_held.len(), 1024);
+    assert_eq!(answer.probes_held.iter().filter(|h| **h).count(), 1, "only p1 is held");
+    assert!(answer.probes_held[0]);
+    let over = client.identify(ask((1..=1025).map(probe).collect())).await.expect_err("1025 probes");
+    assert_eq!(over.code(), Code::InvalidArgument);
+    assert!(over.message().starts_with("probes") && over.message().contains("1024"), "{}", over.message());
+    for (name, event_id) in [("empty", String::new()), ("129 bytes", "e".repeat(129)), ("tab", "a\tb".into())]
+    {
+        let bad = vec![pb::InboxProbe { position: 1, event_id }];
+        let status = client.identify(ask(bad)).await.expect_err(name);
+        assert_eq!(status.code(), Code::InvalidArgument, "{name}");
+        assert!(status.message().starts_with("probes.event_id"), "{name}: {}", status.message());
+    }
+    let positions = [0, u64::MAX, i64::MAX as u64 + 1];
+    let odd: Vec<pb::InboxProbe> =
+        positions.iter().map(|&p| pb::InboxProbe { position: p, event_id: "p1".into() }).collect();
+    let answer = client.identify(ask(odd)).await.expect("odd positions").into_inner();
+    assert_eq!(answer.probes_held, [false, false, false]);
+    assert!(!consumer.process.log_text().contains("panicked"));
+}
+
 /// One random envelope: mostly plausible, often broken in one way, sometimes a resend.
 fn mutant_envelope(rng: &mut Rng, n: usize, sent: &[pb::EventEnvelope]) -> pb::EventEnvelope {
     if !sent.is_empty() && rng.below(10) == 0 {

@@ -295,3 +295,124 @@ async fn answers_not_understood_fail_the_exit_code() {
         assert!(run.stderr.contains("flow held back"), "{}", run.stderr);
     }
 }
+
+/// A consumer built before inbox probes (test code only): it identifies its database and its
+/// highest inbox position but leaves `probes_held` empty; it accepts every envelope at the
+/// next position. `highest` is what a restore sets back.
+#[derive(Clone, Default)]
+struct WithoutProbes {
+    highest: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    received: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+#[tonic::async_trait]
+impl proto::pb::consumer_server::Consumer for WithoutProbes {
+    type ReceiveStream = std::pin::Pin<
+        Box<dyn futures::Stream<Item = Result<proto::pb::ReceiveResult, tonic::Status>> + Send>,
+    >;
+
+    async fn receive(
+        &self,
+        request: tonic::Request<tonic::Streaming<proto::pb::EventEnvelope>>,
+    ) -> Result<tonic::Response<Self::ReceiveStream>, tonic::Status> {
+        use futures::StreamExt as _;
+        let me = self.clone();
+        let answers = request.into_inner().map(move |envelope| {
+            envelope.map(|e| {
+                let position = me.highest.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                me.received.lock().expect("test double's lock").push(e.event_id.clone());
+                proto::pb::ReceiveResult {
+                    event_id: e.event_id,
+                    outcome: proto::pb::ReceiveOutcome::Accepted as i32,
+                    detail: String::new(),
+                    inbox_position: position,
+                }
+            })
+        });
+        Ok(tonic::Response::new(Box::pin(answers)))
+    }
+
+    async fn identify(
+        &self,
+        _: tonic::Request<proto::pb::IdentifyRequest>,
+    ) -> Result<tonic::Response<proto::pb::IdentifyResponse>, tonic::Status> {
+        Ok(tonic::Response::new(proto::pb::IdentifyResponse {
+            database_id: "an-older-build".into(),
+            highest_inbox_position: self.highest.load(std::sync::atomic::Ordering::SeqCst),
+            probes_held: Vec::new(),
+        }))
+    }
+
+    async fn apply(
+        &self,
+        _: tonic::Request<proto::pb::ApplyRequest>,
+    ) -> Result<tonic::Response<proto::pb::ApplyResult>, tonic::Status> {
+        Err(tonic::Status::unimplemented("test double"))
+    }
+
+    async fn apply_all(
+        &self,
+        _: tonic::Request<proto::pb::ApplyAllRequest>,
+    ) -> Result<tonic::Response<proto::pb::ApplyAllResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("test double"))
+    }
+
+    async fn get_flow(
+        &self,
+        _: tonic::Request<proto::pb::GetFlowRequest>,
+    ) -> Result<tonic::Response<proto::pb::ConsumerFlow>, tonic::Status> {
+        Err(tonic::Status::unimplemented("test double"))
+    }
+
+    async fn list_stuck(
+        &self,
+        _: tonic::Request<proto::pb::ListStuckRequest>,
+    ) -> Result<tonic::Response<proto::pb::ListStuckResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("test double"))
+    }
+}
+
+/// A consumer that answers no probes (an older build) is judged as before probes existed, by
+/// its highest inbox position, with a warning: restored to position 1, it gets the two rows
+/// recorded above it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_without_probe_answers_is_judged_by_its_highest_position() {
+    let Some(work) = Workdir::for_test() else { return };
+    let producer = Producer::start(&work, &[]);
+    let consumer = WithoutProbes::default();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(proto::pb::consumer_server::ConsumerServer::new(consumer.clone()))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let drain = |url: String, db: Target| {
+        tokio::task::spawn_blocking(move || relay(&db, &url, &["drain", "--window", "1"], &[]))
+    };
+    commit(&producer, "A", 3).await;
+    let first = drain(url.clone(), producer.db.clone()).await.expect("relay thread");
+    assert_eq!(first.code, Some(0), "{first:?}");
+    // Nothing was recorded before: nothing to probe, no warning.
+    assert!(!first.stderr.contains("does not answer inbox probes"), "{}", first.stderr);
+    assert_eq!(consumer.received.lock().expect("lock").clone(), ["A1", "A2", "A3"]);
+
+    // Restored to position 1 (A2 and A3 lost), with new work waiting.
+    consumer.highest.store(1, std::sync::atomic::Ordering::SeqCst);
+    commit(&producer, "B", 1).await;
+    let second = drain(url, producer.db.clone()).await.expect("relay thread");
+    server.abort();
+    assert_eq!(second.code, Some(0), "{second:?}");
+    assert!(second.stderr.contains("does not answer inbox probes"), "{}", second.stderr);
+    let loud: Vec<&str> = second
+        .stderr
+        .lines()
+        .filter(|l| l.contains("CONSUMER DATABASE RESTORED FROM AN OLDER COPY"))
+        .collect();
+    assert_eq!(loud.len(), 1, "{}", second.stderr);
+    assert!(loud[0].contains("rows=2"), "{}", second.stderr);
+    let mut again = consumer.received.lock().expect("lock")[3..].to_vec();
+    again.sort();
+    assert_eq!(again, ["A2", "A3", "B1"]);
+    assert!(all_accepted(&producer.db).is_some());
+}

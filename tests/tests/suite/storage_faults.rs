@@ -532,3 +532,167 @@ async fn a_consumer_schema_dropped_under_the_consumer_is_refilled_by_the_relay()
     assert!(relay_log.contains("CONSUMER DATABASE REPLACED"), "{relay_log}");
     assert!(relay_log.contains("rows=30"), "{relay_log}");
 }
+
+/// A copy of the consumer's database taken while the consumer is stopped, and its restore
+/// over the live one: the SQLite file set, or a PostgreSQL database made from it as a template
+/// (the restored consumer then runs on that copy).
+struct Backup {
+    live: Target,
+    copy: Target,
+}
+
+impl Backup {
+    /// Copies `live` into `copy` (an empty database of the same backend; nothing may be
+    /// connected to `live`).
+    fn take(live: &Target, copy: Target) -> Backup {
+        match (live, &copy) {
+            (Target::Sqlite(from), Target::Sqlite(to)) => {
+                for suffix in ["", "-wal", "-shm"] {
+                    let (from, to) = (sidecar(from, suffix), sidecar(to, suffix));
+                    if from.exists() {
+                        std::fs::copy(&from, &to).expect("back up");
+                    }
+                }
+            }
+            (Target::Postgres(_), Target::Postgres(_)) => {
+                let (admin, from) = pg_admin(live);
+                let (_, to) = pg_admin(&copy);
+                db::execute(&admin, &format!("DROP DATABASE {to}"));
+                db::execute(&admin, &format!("CREATE DATABASE {to} TEMPLATE {from}"));
+            }
+            _ => panic!("one backend per test"),
+        }
+        Backup { live: live.clone(), copy }
+    }
+
+    /// The database a consumer restored from the copy runs on: on SQLite the live file set,
+    /// replaced by the copy; on PostgreSQL the copy itself.
+    fn restore(self) -> Target {
+        match (&self.live, &self.copy) {
+            (Target::Sqlite(live), Target::Sqlite(copy)) => {
+                for suffix in ["", "-wal", "-shm"] {
+                    let (live, copy) = (sidecar(live, suffix), sidecar(copy, suffix));
+                    let _ = std::fs::remove_file(&live);
+                    if copy.exists() {
+                        std::fs::copy(&copy, &live).expect("restore");
+                    }
+                }
+                self.live
+            }
+            _ => self.copy,
+        }
+    }
+}
+
+/// `file` with `suffix` appended to its name (`-wal`, `-shm`).
+fn sidecar(file: &Path, suffix: &str) -> PathBuf {
+    let mut name = file.as_os_str().to_owned();
+    name.push(suffix);
+    PathBuf::from(name)
+}
+
+/// Commits one `reserved` step on each flow `<prefix>0..n` over one client; returns the event
+/// ids.
+async fn commit_singles(producer: &Producer, prefix: &str, n: usize) -> Vec<String> {
+    let mut client = producer.client().await;
+    let mut ids = Vec::new();
+    for i in 0..n {
+        let flow = format!("{prefix}{i}");
+        let event = format!("{flow}-1");
+        let r = client.advance(harness::advance(&flow, &event, 0, "reserved", 1)).await.expect("advance");
+        assert_eq!(AdvanceOutcome::try_from(r.into_inner().outcome), Ok(AdvanceOutcome::Committed));
+        ids.push(event);
+    }
+    ids
+}
+
+/// One `relay drain` from `producer` to `consumer` (its judgement logged: `probes=`, `asks=`);
+/// it must end with every row accepted.
+fn drain(producer: &Producer, consumer: &Consumer) -> harness::proc::RelayRun {
+    let env = [("RUST_LOG", "info,relay::identity=debug")];
+    let run = harness::proc::relay(&producer.db, &consumer.process.url(), &["drain"], &env);
+    assert_eq!(run.code, Some(0), "{}", run.stderr);
+    assert!(db::outbox(&producer.db).iter().all(|r| r.accepted), "{}", run.stderr);
+    run
+}
+
+/// The probes and asks of the run's one judgement (its `consumer identified` line).
+fn judgement(run: &harness::proc::RelayRun) -> (&str, &str) {
+    let mut lines = run.stderr.lines().filter(|l| l.contains("consumer identified"));
+    let line = lines.next().unwrap_or_else(|| panic!("no judgement: {}", run.stderr));
+    assert!(lines.next().is_none(), "one judgement: {}", run.stderr);
+    let field = |name: &str| line.split_whitespace().find(|w| w.starts_with(name)).unwrap_or_default();
+    (field("probes="), field("asks="))
+}
+
+/// Two producers (X and Y) feed one consumer, whose database is restored from an older copy
+/// after it accepted more of Y. Then X delivers first: its new events take the positions the
+/// copy reused, above the ones Y's relay recorded for its lost rows, so the consumer's highest
+/// position no longer tells that anything is lost. Y's relay probes the positions it recorded
+/// (more than one page of them), finds other events there, says so in the loud line and sends
+/// every lost row again: the consumer ends up holding every event of both producers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restored_consumer_whose_reused_positions_another_producer_filled_first_gets_the_lost_rows_again() {
+    let Some(mut work) = Workdir::for_test() else { return };
+    let x = Producer::start(&work, &[]);
+    let y = Producer::start_on(work.other_db("producer_y.db"), work.path("producer-y.log"), &[]);
+    let live = work.other_db("consumer.db");
+    let backup_db = work.other_db("backup.db");
+    let start = |db: &Target, log: &str| Consumer::start_on(db.clone(), work.path(log), false, &[]);
+    let mut consumer = start(&live, "consumer-1.log");
+    let mut x_ids = commit_singles(&x, "X", 5).await;
+    drain(&x, &consumer);
+    let mut y_ids = commit_singles(&y, "Y", 5).await;
+    drain(&y, &consumer);
+
+    // The backup (positions 1..=10), taken while the consumer is stopped.
+    assert_eq!(consumer.process.terminate(DEADLINE).code(), Some(0));
+    let backup = Backup::take(&live, backup_db);
+    let mut consumer = start(&live, "consumer-2.log");
+    // Y's rows accepted after the backup: more than one page of probes (256).
+    let lost = commit_singles(&y, "L", 300).await;
+    drain(&y, &consumer);
+    y_ids.extend(lost.iter().cloned());
+    assert_eq!(consumer.process.terminate(DEADLINE).code(), Some(0));
+
+    // Restored; X delivers first, into the reused positions (above Y's lost ones).
+    let restored = backup.restore();
+    let consumer = start(&restored, "consumer-3.log");
+    let held =
+        |target: &Target| -> BTreeSet<String> { db::inbox(target).into_iter().map(|r| r.event_id).collect() };
+    assert!(lost.iter().all(|id| !held(&restored).contains(id)), "the copy predates the lost rows");
+    x_ids.extend(commit_singles(&x, "Z", 400).await);
+    let x_run = drain(&x, &consumer);
+    assert!(!x_run.stderr.contains("CONSUMER DATABASE RESTORED"), "X lost nothing: {}", x_run.stderr);
+    // Nothing lost: one Identify, one page (X's five rows).
+    assert_eq!(judgement(&x_run), ("probes=5", "asks=1"), "{}", x_run.stderr);
+    let highest = db::inbox(&restored).iter().map(|r| r.rowid).max().unwrap_or(0);
+    let recorded_y = db::highest_recorded_position(&y.db);
+    assert!(
+        highest as u64 > recorded_y,
+        "the consumer's history passed Y's recorded positions: {highest} {recorded_y}"
+    );
+
+    // Y has new work (a one-shot drain with nothing to send asks the consumer nothing).
+    y_ids.extend(commit_singles(&y, "N", 1).await);
+    let y_run = drain(&y, &consumer);
+    let inbox = held(&restored);
+    let missing: Vec<&String> = y_ids.iter().chain(&x_ids).filter(|id| !inbox.contains(*id)).collect();
+    assert!(missing.is_empty(), "the consumer lacks {} events, first {:?}", missing.len(), missing.first());
+    assert_eq!(inbox.len(), x_ids.len() + y_ids.len());
+    let loud: Vec<&str> = y_run
+        .stderr
+        .lines()
+        .filter(|l| l.contains("CONSUMER DATABASE RESTORED FROM AN OLDER COPY"))
+        .collect();
+    assert_eq!(loud.len(), 1, "{}", y_run.stderr);
+    assert!(loud[0].contains(&format!("rows={}", lost.len())), "{}", y_run.stderr);
+    // 305 rows recorded: a first page all lost, a second (the other 49) partly: two asks.
+    assert_eq!(judgement(&y_run), ("probes=305", "asks=2"), "{}", y_run.stderr);
+    // Judged again, nothing is lost any more.
+    y_ids.extend(commit_singles(&y, "M", 1).await);
+    let again = drain(&y, &consumer);
+    assert!(!again.stderr.contains("CONSUMER DATABASE RESTORED"), "{}", again.stderr);
+    assert_eq!(judgement(&again), ("probes=256", "asks=1"), "{}", again.stderr);
+    assert_eq!(held(&restored).len(), x_ids.len() + y_ids.len());
+}
