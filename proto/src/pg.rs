@@ -309,10 +309,8 @@ fn pool(url: &PgUrl, kind: &PgKind, size: usize) -> Result<Pool, PgError> {
     // keeps its default (`auto`): forcing a custom plan for every execution instead, as
     // before, planned each foreign-key check and trigger statement once per row, about 14 %
     // of the server's CPU (perf, `bench --backend postgres`).
-    options.push_str(&format!(
-        "-c synchronous_commit=on -c enable_seqscan=off -c search_path={}",
-        kind.schema
-    ));
+    options
+        .push_str(&format!("-c synchronous_commit=on -c enable_seqscan=off -c search_path={}", kind.schema));
     config.options(&options);
     if config.get_application_name().is_none() {
         config.application_name(format!("ordered-events-{}", kind.name));
