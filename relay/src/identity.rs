@@ -94,6 +94,27 @@ async fn ask(
     }
 }
 
+/// A further ask in the same judgement: the consumer must answer it (it answered the first),
+/// from the same database `database_id`.
+async fn ask_again(
+    client: &mut ConsumerClient<tonic::service::interceptor::InterceptedService<Channel, SendToken>>,
+    link: &Link,
+    producer_database_id: &str,
+    probes: &[(u64, String)],
+    database_id: &str,
+) -> Result<pb::IdentifyResponse, RelayError> {
+    let again = ask(client, link, producer_database_id, probes)
+        .await?
+        .ok_or_else(|| RelayError::Stream("identify: the consumer stopped answering Identify".into()))?;
+    if again.database_id != database_id {
+        return Err(RelayError::Stream(format!(
+            "identify: the consumer's database changed while it was asked ({database_id} then {})",
+            again.database_id
+        )));
+    }
+    Ok(again)
+}
+
 /// The probed rows the consumer said it does not hold. An answer for as many probes as were
 /// sent is required; an empty one (a consumer built before probes) is `None`.
 fn not_held(probes: &[(u64, String)], held: &[bool]) -> Result<Option<Vec<(u64, String)>>, RelayError> {
@@ -150,6 +171,7 @@ pub async fn judge(
         judged.extend(scope.unwrap_or_default());
         return Ok(None);
     };
+    let mut asks = 1;
     if expected.as_deref() != Some(identity.database_id.as_str()) {
         // Another database answered (a replaced one, or the outbox names several): its own
         // rows, if the outbox recorded any, are probed in a second ask.
@@ -157,20 +179,12 @@ pub async fn judge(
         // The answers were about the other database's rows: they say nothing here.
         identity.probes_held.clear();
         if !page.is_empty() {
-            let again = ask(&mut client, link, &producer_database_id, &page).await?.ok_or_else(|| {
-                RelayError::Stream("identify: the consumer stopped answering Identify".into())
-            })?;
-            if again.database_id != identity.database_id {
-                return Err(RelayError::Stream(format!(
-                    "identify: the consumer's database changed while it was asked ({} then {})",
-                    identity.database_id, again.database_id
-                )));
-            }
-            identity = again;
+            identity =
+                ask_again(&mut client, link, &producer_database_id, &page, &identity.database_id).await?;
+            asks += 1;
         }
     }
     let mut probes = page.len();
-    let mut asks = 1;
     let lost = match not_held(&page, &identity.probes_held)? {
         None => {
             NO_PROBES_WARNED.call_once(|| {
@@ -193,15 +207,8 @@ pub async fn judge(
                 if page.is_empty() {
                     break;
                 }
-                let next = ask(&mut client, link, &producer_database_id, &page).await?.ok_or_else(|| {
-                    RelayError::Stream("identify: the consumer stopped answering Identify".into())
-                })?;
-                if next.database_id != identity.database_id {
-                    return Err(RelayError::Stream(format!(
-                        "identify: the consumer's database changed while it was asked ({} then {})",
-                        identity.database_id, next.database_id
-                    )));
-                }
+                let next =
+                    ask_again(&mut client, link, &producer_database_id, &page, &identity.database_id).await?;
                 probes += page.len();
                 asks += 1;
                 missing = not_held(&page, &next.probes_held)?.ok_or_else(|| {
