@@ -51,8 +51,8 @@ pub enum RelayError {
          consumer database {consumer_db}, {compacted} of them compacted to tombstones (first: {first:?}), so \
          they cannot be sent again and nothing was re-sent or unmarked. Restore a newer copy of the consumer \
          database (one that holds these rows) and run the relay again, or accept the loss explicitly \
-         (an operator's decision: no flag skips them) and point the relay at a consumer that holds them; \
-         the relay never skips them by itself"
+         (an operator's decision: `relay accept-lost --consumer-database-id {consumer_db}` marks them \
+         LOST_ACCEPTED and sends the rest again); the relay never skips them by itself"
     )]
     HistoryCompacted {
         /// The consumer database that answered.
@@ -64,6 +64,10 @@ pub enum RelayError {
         /// The first compacted rows' event ids.
         first: Vec<String>,
     },
+    /// `accept-lost` refused: the consumer is not the one named, cannot say exactly what it
+    /// lacks, or compaction changed the rows meanwhile. Nothing was changed.
+    #[error("accept-lost refused: {0}")]
+    AcceptLost(String),
     /// SIGTERM/SIGINT ended `once`, `send` or `drain` before it finished.
     #[error("stopped by a signal before {0} finished; unanswered rows stay unaccepted")]
     Interrupted(&'static str),

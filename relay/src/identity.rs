@@ -131,25 +131,27 @@ fn not_held(probes: &[(u64, String)], held: &[bool]) -> Result<Option<Vec<(u64, 
     Ok(Some(probes.iter().zip(held).filter(|(_, held)| !**held).map(|(p, _)| p.clone()).collect()))
 }
 
-/// Identifies the consumer on `channel`, re-sends what its database lacks of what producer.db
-/// recorded as accepted (under leases: of the leases `judged` lacks, which are then added to
-/// it). Returns the consumer's database id, recorded on the rows it accepts from now on. A
-/// consumer that does not implement `Identify` (an older build) is relayed to as before,
-/// with a warning: `None`, nothing is recorded, so nothing can be checked.
-///
-/// What it lacks: rows another consumer database accepted, and rows this one accepted that
-/// its inbox no longer holds at the position it answered (probed, [`PROBE_PAGE`] at a time
-/// from the highest position down). Positions alone cannot tell: a database restored from
-/// an older copy gives the positions above its restore point to new events (another
-/// producer's, another relay's), and its highest position soon passes the lost ones. A
-/// consumer that answers no probes (an older build) is judged by its highest position, with
-/// a warning.
-pub async fn judge(
+/// What one judgement found: who answered, and which of the rows the outbox recorded as
+/// accepted by it (or by another database) it lacks.
+struct Assessment {
+    producer_database_id: String,
+    database_id: String,
+    highest_inbox_position: u64,
+    lost: Lost,
+    /// The leases judged (under leases; see [`Ledger::unjudged`]).
+    scope: Option<Vec<(u16, u64)>>,
+    probes: usize,
+    asks: usize,
+}
+
+/// Asks the consumer on `channel` who it is and which recorded rows it lacks (see [`judge`]).
+/// `None`: it cannot identify its database (an older build); then `scope` was judged as is.
+async fn assess(
     channel: Channel,
     ledger: &Ledger,
     link: &Link,
     judged: &mut Judged,
-) -> Result<Option<String>, RelayError> {
+) -> Result<Option<Assessment>, RelayError> {
     let producer_database_id = ledger.producer_id().await?;
     // Taken before the consumer is asked (see `Ledger::resend_lost`).
     let scope = ledger.unjudged(judged);
@@ -218,18 +220,51 @@ pub async fn judge(
             Lost::Probed(lost)
         }
     };
-    let (lost, judged_now) = ledger.resend_lost(identity.database_id.clone(), lost, scope).await?;
+    Ok(Some(Assessment {
+        producer_database_id,
+        database_id: identity.database_id,
+        highest_inbox_position: identity.highest_inbox_position,
+        lost,
+        scope,
+        probes,
+        asks,
+    }))
+}
+
+/// Identifies the consumer on `channel`, re-sends what its database lacks of what producer.db
+/// recorded as accepted (under leases: of the leases `judged` lacks, which are then added to
+/// it). Returns the consumer's database id, recorded on the rows it accepts from now on. A
+/// consumer that does not implement `Identify` (an older build) is relayed to as before,
+/// with a warning: `None`, nothing is recorded, so nothing can be checked.
+///
+/// What it lacks: rows another consumer database accepted, and rows this one accepted that
+/// its inbox no longer holds at the position it answered (probed, [`PROBE_PAGE`] at a time
+/// from the highest position down). Positions alone cannot tell: a database restored from
+/// an older copy gives the positions above its restore point to new events (another
+/// producer's, another relay's), and its highest position soon passes the lost ones. A
+/// consumer that answers no probes (an older build) is judged by its highest position, with
+/// a warning.
+pub async fn judge(
+    channel: Channel,
+    ledger: &Ledger,
+    link: &Link,
+    judged: &mut Judged,
+) -> Result<Option<String>, RelayError> {
+    let Some(found) = assess(channel, ledger, link, judged).await? else { return Ok(None) };
+    let Assessment { producer_database_id, database_id, highest_inbox_position, lost, scope, probes, asks } =
+        found;
+    let (lost, judged_now) = ledger.resend_lost(database_id.clone(), lost, scope).await?;
     if lost.compacted > 0 {
         // Nothing was unmarked (see `ProducerStore::resend_lost`): say so loudly and stop.
         let e = RelayError::HistoryCompacted {
-            consumer_db: identity.database_id.clone(),
+            consumer_db: database_id.clone(),
             lost: lost.other_database + lost.beyond_history,
             compacted: lost.compacted,
             first: lost.compacted_sample.clone(),
         };
         tracing::error!(
-            consumer_database_id = %identity.database_id,
-            highest_inbox_position = identity.highest_inbox_position,
+            consumer_database_id = %database_id,
+            highest_inbox_position = highest_inbox_position,
             rows = lost.other_database + lost.beyond_history,
             compacted = lost.compacted,
             first = ?lost.compacted_sample,
@@ -239,7 +274,7 @@ pub async fn judge(
     }
     if lost.other_database > 0 {
         tracing::error!(
-            consumer_database_id = %identity.database_id,
+            consumer_database_id = %database_id,
             rows = lost.other_database,
             first = ?lost.sample,
             "CONSUMER DATABASE REPLACED: the consumer answers with a database other than the one that \
@@ -249,8 +284,8 @@ pub async fn judge(
     }
     if lost.beyond_history > 0 {
         tracing::error!(
-            consumer_database_id = %identity.database_id,
-            highest_inbox_position = identity.highest_inbox_position,
+            consumer_database_id = %database_id,
+            highest_inbox_position = highest_inbox_position,
             highest_recorded = lost.highest_recorded,
             rows = lost.beyond_history,
             first = ?lost.sample,
@@ -260,15 +295,97 @@ pub async fn judge(
     }
     tracing::debug!(
         producer_database_id = %producer_database_id,
-        consumer_database_id = %identity.database_id,
-        highest_inbox_position = identity.highest_inbox_position,
+        consumer_database_id = %database_id,
+        highest_inbox_position = highest_inbox_position,
         partitions_judged = judged_now.len(),
         probes,
         asks,
         "consumer identified"
     );
     judged.extend(judged_now);
-    Ok(Some(identity.database_id))
+    Ok(Some(database_id))
+}
+
+/// What `relay accept-lost` changed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LossAccepted {
+    /// The consumer database whose loss was accepted.
+    pub consumer_db: String,
+    /// Accepted rows the outbox recorded that it lacks (other databases' rows included).
+    pub lost: u64,
+    /// Of those, compacted rows now marked `LOST_ACCEPTED` (never sent again).
+    pub loss_accepted: u64,
+    /// The first of them, by `(flow_id, seq)`.
+    pub first: Vec<String>,
+    /// The rest: marked unaccepted again, so the next relay run sends them again.
+    pub unmarked: u64,
+}
+
+/// `relay accept-lost`: an operator's decision that the consumer database `expected` lost,
+/// for good, rows the producer already compacted (restored from a copy older than the
+/// retention, with no newer copy). It is judged as a relay judges it before sending ([`judge`],
+/// over the whole outbox); only if the consumer on `channel` answers for `expected`, and tells
+/// exactly which rows it lacks (probes), are its compacted lost rows marked `LOST_ACCEPTED`
+/// (they stay accepted and are never sent again) and the others unaccepted again, in one
+/// transaction. Their flows then wait at a gap on the consumer, visible as such.
+pub async fn accept_lost(
+    channel: Channel,
+    ledger: &Ledger,
+    link: &Link,
+    expected: &str,
+) -> Result<LossAccepted, RelayError> {
+    let refused = |why: String| RelayError::AcceptLost(format!("{why}; nothing was changed"));
+    let Some(found) = assess(channel, ledger, link, &mut Judged::default()).await? else {
+        return Err(refused(format!(
+            "the consumer at {} cannot identify its database (an older build)",
+            link.url
+        )));
+    };
+    if found.database_id != expected {
+        return Err(refused(format!(
+            "the consumer at {} answers for database {}, not {expected} (--consumer-database-id)",
+            link.url, found.database_id
+        )));
+    }
+    if matches!(found.lost, Lost::Beyond(_)) {
+        return Err(refused(format!(
+            "the consumer at {} does not answer inbox probes (an older build), so which rows it lost cannot \
+             be told exactly",
+            link.url
+        )));
+    }
+    let lost = ledger.accept_lost(found.database_id.clone(), found.lost).await?;
+    if lost.loss_accepted < lost.compacted {
+        return Err(refused(
+            "a compaction pass committed while the loss was judged; run accept-lost again".to_owned(),
+        ));
+    }
+    let total = lost.other_database + lost.beyond_history;
+    let accepted = LossAccepted {
+        consumer_db: found.database_id,
+        lost: total,
+        loss_accepted: lost.loss_accepted,
+        first: lost.compacted_sample,
+        unmarked: total - lost.loss_accepted,
+    };
+    if accepted.loss_accepted > 0 {
+        tracing::error!(
+            consumer_database_id = %accepted.consumer_db,
+            loss_accepted = accepted.loss_accepted,
+            first = ?accepted.first,
+            unmarked = accepted.unmarked,
+            "CONSUMER HISTORY LOSS ACCEPTED BY AN OPERATOR: these compacted rows stay accepted and are never \
+             sent again (last outcome LOST_ACCEPTED); their flows wait at a gap on the consumer; the other \
+             lost rows are sent again"
+        );
+    } else {
+        tracing::info!(
+            consumer_database_id = %accepted.consumer_db,
+            unmarked = accepted.unmarked,
+            "no compacted row is lost: nothing to accept (lost rows, if any, are sent again as always)"
+        );
+    }
+    Ok(accepted)
 }
 
 /// How often `run` checks the consumer's identity again while it has nothing to send.

@@ -226,6 +226,12 @@ impl Ledger {
         self.store.accepted_page(consumer_db, below, limit, partitions).await
     }
 
+    /// `relay accept-lost`, in ONE transaction over the whole outbox: see
+    /// [`producer::store::ProducerStore::accept_lost`].
+    pub async fn accept_lost(&self, consumer_db: String, lost: Lost) -> Result<LostRows, StoreError> {
+        self.store.accept_lost(consumer_db, lost).await
+    }
+
     /// In ONE transaction: what `consumer_db` lacks of what the outbox recorded as accepted
     /// (rows of other consumer databases, and the rows `lost` names), marked unaccepted
     /// again so it is sent again. Returns what was found (and unmarked) and the leases

@@ -60,6 +60,12 @@ pub enum Mode {
     Drain(DrainSettings),
     /// Like drain, continuously, until SIGTERM/SIGINT.
     Run(RunSettings),
+    /// An operator accepts that this consumer database lost, for good, rows the producer
+    /// compacted ([`identity::accept_lost`]); sends nothing.
+    AcceptLost {
+        /// The consumer database id the consumer must answer with.
+        consumer_database_id: String,
+    },
 }
 
 impl Mode {
@@ -70,6 +76,7 @@ impl Mode {
             Mode::Send { .. } => "send",
             Mode::Drain(_) => "drain",
             Mode::Run(_) => "run",
+            Mode::AcceptLost { .. } => "accept-lost",
         }
     }
 }
@@ -176,6 +183,13 @@ pub async fn run(
         Mode::Send { event_id } => oneshot::send(&config, &ledger, event_id, &mut report, &stop).await?,
         Mode::Drain(settings) => oneshot::drain(&config, *settings, &ledger, &mut report, &stop).await?,
         Mode::Run(settings) => daemon::run(&config, *settings, &ledger, &mut report, &stop).await?,
+        Mode::AcceptLost { consumer_database_id } => {
+            // Its own one line, no summary: it sends nothing.
+            let channel = connect::channel(&config.link, ONE_SHOT_CONNECT_DEADLINE).await?;
+            let done = identity::accept_lost(channel, &ledger, &config.link, consumer_database_id).await?;
+            output::accept_lost_line(&done);
+            return Ok(decision::EXIT_DELIVERED);
+        }
     }
     Ok(report.finish(config.mode.name()))
 }

@@ -177,6 +177,22 @@ enum ModeArg {
         )]
         lease_ttl_ms: u64,
     },
+    /// An operator's decision, for a consumer database restored from a copy older than the
+    /// producer's retention when no newer copy exists (the relay then stops with CONSUMER
+    /// HISTORY LOST BEYOND RETENTION). Judges the consumer as a relay does before sending;
+    /// only if it answers for the database named here, and tells exactly which rows it lacks,
+    /// the compacted rows among them stay accepted for good (last outcome LOST_ACCEPTED, never
+    /// sent again: their flows wait at a gap on the consumer) and the other lost rows are
+    /// marked unaccepted, so the next relay run sends them again. One transaction; sends
+    /// nothing; one {"type":"accept_lost",...} line on stdout. Run it with the relays stopped.
+    /// Exit 0 done (also when nothing compacted was lost), 1 refused or failed (nothing
+    /// changed).
+    AcceptLost {
+        /// The id of the consumer database whose loss is accepted: the consumer's start-up log
+        /// line `consumer database identity` and the relay's error name it.
+        #[arg(long, value_name = "ID", value_parser = clap::builder::NonEmptyStringValueParser::new())]
+        consumer_database_id: String,
+    },
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -236,6 +252,7 @@ fn config(args: Args) -> Result<relay::Config, Failure> {
         ModeArg::Drain { max_stall_ms } => {
             relay::Mode::Drain(relay::DrainSettings { max_stall: Duration::from_millis(max_stall_ms) })
         }
+        ModeArg::AcceptLost { consumer_database_id } => relay::Mode::AcceptLost { consumer_database_id },
         ModeArg::Run { poll_ms, max_backoff_ms, delivery_lines, summary_interval_ms, lease_ttl_ms } => {
             relay::Mode::Run(relay::RunSettings {
                 poll_interval: Duration::from_millis(poll_ms),

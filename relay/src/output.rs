@@ -176,6 +176,19 @@ pub fn lease_line(instance: &str, event: &str, leases: &[(u16, u64)], held: usiz
     write_out(&format!("{line}\n"));
 }
 
+/// Writes the one `{"type":"accept_lost",...}` line of `relay accept-lost`.
+pub fn accept_lost_line(done: &crate::identity::LossAccepted) {
+    let line = json!({
+        "type": "accept_lost",
+        "consumer_database_id": done.consumer_db,
+        "lost": done.lost,
+        "loss_accepted": done.loss_accepted,
+        "first": done.first,
+        "unmarked": done.unmarked,
+    });
+    write_out(&format!("{line}\n"));
+}
+
 fn write_out(lines: &str) {
     let mut out = std::io::stdout().lock();
     // stdout closed by the reader is not worth dying for; the ledger is what counts.

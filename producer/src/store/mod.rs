@@ -363,6 +363,11 @@ pub const NO_ANSWER: &str = "NO_ANSWER";
 /// The `last_outcome` of a row marked unaccepted again because its consumer lost it.
 pub const LOST_BY_CONSUMER: &str = "LOST_BY_CONSUMER";
 
+/// The `last_outcome` of a compacted row its consumer lost, whose loss an operator accepted
+/// (`relay accept-lost`): it stays accepted (it cannot be sent again) and names no consumer
+/// database any more, so no relay judges it lost again.
+pub const LOST_ACCEPTED: &str = "LOST_ACCEPTED";
+
 /// Accepted rows the consumer database `consumer_db` no longer holds: rows another consumer
 /// database accepted, and rows this one accepted that it lost (it was restored from an older
 /// copy; see [`Lost`]). Rows accepted before positions were recorded are not counted (nothing
@@ -383,6 +388,9 @@ pub struct LostRows {
     pub compacted: u64,
     /// A few of the compacted lost rows' event ids, for the log.
     pub compacted_sample: Vec<String>,
+    /// Compacted lost rows whose loss was accepted ([`ProducerStore::accept_lost`]: marked
+    /// [`LOST_ACCEPTED`]); 0 for [`ProducerStore::resend_lost`], which never accepts a loss.
+    pub loss_accepted: u64,
 }
 
 /// A probed row a consumer does not hold that is still recorded as accepted by it, at the
@@ -717,8 +725,20 @@ impl ProducerStore {
     /// nothing is unmarked: they cannot be sent again, and the caller must stop.
     pub async fn resend_lost(&self, consumer_db: String, lost: Lost) -> Result<LostRows, StoreError> {
         match self {
-            ProducerStore::Sqlite(s) => s.resend_lost(consumer_db, lost).await,
-            ProducerStore::Postgres(s) => s.resend_lost(consumer_db, lost, None).await,
+            ProducerStore::Sqlite(s) => s.resolve_lost(consumer_db, lost, false).await,
+            ProducerStore::Postgres(s) => s.resolve_lost(consumer_db, lost, None, false).await,
+        }
+    }
+
+    /// An operator's decision (`relay accept-lost`), in ONE transaction: what
+    /// [`ProducerStore::resend_lost`] finds, over the whole outbox, with the compacted rows
+    /// among it no longer a reason to stop: they stay accepted, name no consumer database any
+    /// more and get the last outcome [`LOST_ACCEPTED`] ([`LostRows::loss_accepted`] counts
+    /// them); the other lost rows are marked unaccepted again and sent again, as always.
+    pub async fn accept_lost(&self, consumer_db: String, lost: Lost) -> Result<LostRows, StoreError> {
+        match self {
+            ProducerStore::Sqlite(s) => s.resolve_lost(consumer_db, lost, true).await,
+            ProducerStore::Postgres(s) => s.resolve_lost(consumer_db, lost, None, true).await,
         }
     }
 
@@ -732,7 +752,7 @@ impl ProducerStore {
     ) -> Result<LostRows, StoreError> {
         match self {
             ProducerStore::Sqlite(_) => Err(StoreError::NotSupported(LEASES_NEED_POSTGRES)),
-            ProducerStore::Postgres(s) => s.resend_lost(consumer_db, lost, Some(partitions)).await,
+            ProducerStore::Postgres(s) => s.resolve_lost(consumer_db, lost, Some(partitions), false).await,
         }
     }
 

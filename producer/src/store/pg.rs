@@ -27,9 +27,9 @@ use tokio_postgres::types::ToSql;
 type Params<'a, const N: usize> = [&'a (dyn ToSql + Sync); N];
 
 use super::{
-    ADVANCE_BATCHES, AdvanceReply, Backlog, CompactReport, Decision, FlowRecord, LOST_BY_CONSUMER, LeaseRow,
-    LeaseView, Lost, LostRows, MARK_BATCHES, NO_ANSWER, OutboxRecord, ProbedRow, Recorded, Role, StoreError,
-    add_probed, decide,
+    ADVANCE_BATCHES, AdvanceReply, Backlog, CompactReport, Decision, FlowRecord, LOST_ACCEPTED,
+    LOST_BY_CONSUMER, LeaseRow, LeaseView, Lost, LostRows, MARK_BATCHES, NO_ANSWER, OutboxRecord, ProbedRow,
+    Recorded, Role, StoreError, add_probed, decide,
 };
 use crate::request::AdvanceCommand;
 
@@ -715,11 +715,14 @@ impl PgStore {
 
     /// `partitions`: only rows of these (a relay under leases judges only the rows it alone
     /// marks; another relay may mark its own rows while this one asks its consumer).
-    pub(super) async fn resend_lost(
+    /// `accept`: an operator accepted the loss of the compacted lost rows (see
+    /// [`super::ProducerStore::accept_lost`]); otherwise they make it unmark nothing.
+    pub(super) async fn resolve_lost(
         &self,
         consumer_db: String,
         lost: Lost,
         partitions: Option<Vec<u16>>,
+        accept: bool,
     ) -> Result<LostRows, StoreError> {
         let client = self.client().await?;
         let partitions: Option<Vec<i16>> = partitions.map(|ps| ps.iter().map(|&p| p as i16).collect());
@@ -814,6 +817,7 @@ impl PgStore {
                     sample: sample?.iter().map(|r| r.try_get(0)).collect::<Result<_, _>>()?,
                     compacted: unsigned(&compacted, 0, "compacted lost rows")?,
                     compacted_sample: compacted.try_get(1)?,
+                    loss_accepted: 0,
                 };
                 let probed: Vec<ProbedRow> = probed?
                     .iter()
@@ -829,10 +833,39 @@ impl PgStore {
                 let mut lost = lost;
                 add_probed(&mut lost, &probed);
                 // Rows compacted to tombstones cannot be sent again: unmark nothing, the caller
-                // stops.
-                if lost.other_database + lost.beyond_history == 0 || lost.compacted > 0 {
+                // stops, unless an operator accepted their loss.
+                if lost.other_database + lost.beyond_history == 0 || (lost.compacted > 0 && !accept) {
                     client.batch_execute("ROLLBACK").await?;
                     return Ok(lost);
+                }
+                if lost.compacted > 0 {
+                    // They stay accepted and name no consumer database any more, so no relay
+                    // judges them lost again; the rest is unmarked below as always.
+                    let accept_lost = client
+                        .prepare_cached(
+                            "UPDATE outbox SET accepted_by = NULL, accepted_position = NULL, last_outcome = $3
+                             WHERE accepted = 1 AND accepted_by IS NOT NULL AND body IS NULL
+                               AND (accepted_by <> $1 OR accepted_position > $2)
+                               AND ($4::smallint[] IS NULL OR partition = ANY($4))",
+                        )
+                        .await?;
+                    let accept_probed = client
+                        .prepare_cached(
+                            "UPDATE outbox o SET accepted_by = NULL, accepted_position = NULL, last_outcome = $4
+                             FROM unnest($2::text[], $3::bigint[]) AS p(event_id, position)
+                             WHERE o.event_id = p.event_id AND o.accepted = 1 AND o.accepted_by = $1
+                               AND o.accepted_position = p.position AND o.body IS NULL
+                               AND ($5::smallint[] IS NULL OR o.partition = ANY($5))",
+                        )
+                        .await?;
+                    let mut accepted =
+                        client.execute(&accept_lost, &[&consumer_db, &highest, &LOST_ACCEPTED, &partitions]).await?;
+                    if !probed_ids.is_empty() {
+                        let params: Params<'_, 5> =
+                            [&consumer_db, &probed_ids, &probed_positions, &LOST_ACCEPTED, &partitions];
+                        accepted += client.execute(&accept_probed, &params).await?;
+                    }
+                    lost.loss_accepted = accepted;
                 }
                 let unmark = client
                     .prepare_cached(
@@ -864,7 +897,7 @@ impl PgStore {
                 }
                 // The reads above ran before the rows were locked: a compaction that
                 // committed in between shows here, on each row's newest version. Then
-                // nothing is unmarked, as when the reads saw it.
+                // nothing is unmarked (nor any loss accepted), as when the reads saw it.
                 let mut compacted_now = Vec::new();
                 for row in &unmarked {
                     if row.try_get::<_, bool>(1)? {
@@ -876,7 +909,7 @@ impl PgStore {
                     let compacted = compacted_now.len() as u64;
                     compacted_now.sort();
                     compacted_now.truncate(5);
-                    return Ok(LostRows { compacted, compacted_sample: compacted_now, ..lost });
+                    return Ok(LostRows { compacted, compacted_sample: compacted_now, loss_accepted: 0, ..lost });
                 }
                 commit_with_backlog(client, i64::try_from(unmarked.len()).unwrap_or(i64::MAX)).await?;
                 Ok(lost)

@@ -16,9 +16,9 @@ use rusqlite::{Connection, OptionalExtension, Transaction, params};
 use tokio::sync::{mpsc, oneshot};
 
 use super::{
-    AcceptedBy, AdvanceReply, Backlog, CompactReport, Decision, DeliveryAnswer, FlowRecord, LOST_BY_CONSUMER,
-    Lost, LostRows, MARK_BATCHES, NO_ANSWER, OutboxRecord, ProbedRow, Recorded, Role, StoreError, add_probed,
-    decide,
+    AcceptedBy, AdvanceReply, Backlog, CompactReport, Decision, DeliveryAnswer, FlowRecord, LOST_ACCEPTED,
+    LOST_BY_CONSUMER, Lost, LostRows, MARK_BATCHES, NO_ANSWER, OutboxRecord, ProbedRow, Recorded, Role,
+    StoreError, add_probed, decide,
 };
 use crate::request::AdvanceCommand;
 
@@ -317,7 +317,14 @@ impl SqliteStore {
         .await
     }
 
-    pub(super) async fn resend_lost(&self, consumer_db: String, lost: Lost) -> Result<LostRows, StoreError> {
+    /// `accept`: an operator accepted the loss of the compacted lost rows (see
+    /// [`super::ProducerStore::accept_lost`]); otherwise they make it unmark nothing.
+    pub(super) async fn resolve_lost(
+        &self,
+        consumer_db: String,
+        lost: Lost,
+        accept: bool,
+    ) -> Result<LostRows, StoreError> {
         self.blocking("unmark rows the consumer lost", move |conn, _| {
             let tx = db::begin_immediate(conn)?;
             // Probes judge this database's rows: no row is lost for being above a position.
@@ -331,8 +338,12 @@ impl SqliteStore {
                 Lost::Probed(pairs) => still_recorded(&tx, &consumer_db, pairs)?,
             };
             add_probed(&mut found, &probed);
-            // Rows compacted to tombstones cannot be sent again: unmark nothing, the caller stops.
-            if found.other_database + found.beyond_history > 0 && found.compacted == 0 {
+            // Rows compacted to tombstones cannot be sent again: unmark nothing, the caller
+            // stops, unless an operator accepted their loss.
+            if found.other_database + found.beyond_history > 0 && (found.compacted == 0 || accept) {
+                if found.compacted > 0 {
+                    found.loss_accepted = accept_compacted(&tx, &consumer_db, highest_position, &probed)?;
+                }
                 let mut unaccepted = Unaccepted::new(None);
                 unmark_lost(&tx, &consumer_db, highest_position, &mut unaccepted)?;
                 unmark_probed(&tx, &consumer_db, &probed, &mut unaccepted)?;
@@ -871,7 +882,41 @@ pub fn lost_rows(
         .query_map(params![consumer_db, highest_position], |r| r.get(0))?
         .collect::<rusqlite::Result<_>>()?
     };
-    Ok(LostRows { other_database, beyond_history, highest_recorded, sample, compacted, compacted_sample })
+    Ok(LostRows {
+        other_database,
+        beyond_history,
+        highest_recorded,
+        sample,
+        compacted,
+        compacted_sample,
+        loss_accepted: 0,
+    })
+}
+
+/// Inside `relay accept-lost`'s transaction: the compacted rows among those [`lost_rows`]
+/// counts and among `probed` stay accepted, name no consumer database any more (so no relay
+/// judges them lost again) and get the last outcome [`LOST_ACCEPTED`]. Returns how many.
+fn accept_compacted(
+    tx: &Transaction<'_>,
+    consumer_db: &str,
+    highest_position: u64,
+    probed: &[ProbedRow],
+) -> Result<u64, StoreError> {
+    let mut changed = tx
+        .prepare_cached(&format!(
+            "UPDATE outbox SET accepted_by = NULL, accepted_position = NULL, last_outcome = ?3
+             WHERE {LOST_WHERE}
+               AND NOT EXISTS (SELECT 1 FROM outbox_body WHERE outbox_body.id = outbox.id)"
+        ))?
+        .execute(params![consumer_db, highest_position, LOST_ACCEPTED])? as u64;
+    let mut accept = tx.prepare_cached(
+        "UPDATE outbox SET accepted_by = NULL, accepted_position = NULL, last_outcome = ?3
+         WHERE event_id = ?1 AND accepted = 1 AND accepted_by = ?2",
+    )?;
+    for row in probed.iter().filter(|r| r.compacted) {
+        changed += accept.execute(params![row.event_id, consumer_db, LOST_ACCEPTED])? as u64;
+    }
+    Ok(changed)
 }
 
 /// Inside a relay's transaction: marks every row [`lost_rows`] counts unaccepted again (its

@@ -725,6 +725,57 @@ async fn compaction_keeps_answers_exact_and_never_resends_a_tombstone() {
     .await;
 }
 
+/// `relay accept-lost`: the compacted rows a consumer lost stay accepted for good
+/// (LOST_ACCEPTED, naming no consumer database, so no relay judges them lost again); the
+/// lost rows that still have a body are unaccepted again and sent again; one transaction.
+#[tokio::test]
+async fn accepting_a_loss_keeps_the_compacted_rows_accepted_and_resends_the_rest() {
+    on_both("producer_store_accept_lost", |place| async move {
+        let store = place.open(None).await;
+        for (i, (id, kind)) in
+            [("A1", "reserved"), ("A2", "confirmed"), ("A3", "released")].iter().enumerate()
+        {
+            assert_eq!(outcome(&store, cmd(id, i as u64, kind, 1, 3)).await, AdvanceOutcome::Committed);
+        }
+        let answers = (1..=3).map(|n| accepted(&format!("A{n}"), DeliveryAnswer::Accepted, n)).collect();
+        store.record_deliveries(answers, Some("c1".into())).await.unwrap();
+        assert_eq!(store.compact(runtime::now_us(), 10, 0).await.unwrap().compacted, 3);
+        // C1 is accepted after the compaction: it keeps its body.
+        outcome(&store, cmd_on("C", "C1", 0, "reserved", 1, 3)).await;
+        store
+            .record_deliveries(vec![accepted("C1", DeliveryAnswer::Accepted, 4)], Some("c1".into()))
+            .await
+            .unwrap();
+        assert_eq!(backlog(&store).await.unaccepted, 0);
+        // The consumer was restored to position 1: it lacks A2, A3 (tombstones) and C1.
+        let probed = vec![(4, "C1".to_owned()), (3, "A3".to_owned()), (2, "A2".to_owned())];
+        let refused = store.resend_lost("c1".into(), Lost::Probed(probed.clone())).await.unwrap();
+        assert_eq!((refused.beyond_history, refused.compacted, refused.loss_accepted), (3, 2, 0));
+        assert_eq!(backlog(&store).await.unaccepted, 0, "a refusal unmarks nothing");
+
+        let done = store.accept_lost("c1".into(), Lost::Probed(probed.clone())).await.unwrap();
+        assert_eq!((done.beyond_history, done.compacted, done.loss_accepted), (3, 2, 2), "{done:?}");
+        assert_eq!(done.compacted_sample, ["A2", "A3"]);
+        let (_, a) = store.flow("A".into()).await.unwrap();
+        for row in &a[1..] {
+            assert!(row.accepted && row.compacted, "{row:?}");
+            assert_eq!(row.last_outcome.as_deref(), Some(LOST_ACCEPTED), "{row:?}");
+        }
+        assert_eq!(a[0].last_outcome.as_deref(), Some("ACCEPTED"), "A1 was not lost: {:?}", a[0]);
+        let (_, c) = store.flow("C".into()).await.unwrap();
+        assert!(!c[0].accepted && !c[0].compacted, "{:?}", c[0]);
+        assert_eq!(c[0].last_outcome.as_deref(), Some(LOST_BY_CONSUMER));
+        assert_eq!(backlog(&store).await.unaccepted, 1);
+        let unaccepted = store.unaccepted_after((String::new(), 0), 10).await.unwrap();
+        assert_eq!(unaccepted.iter().map(|r| r.event_id.as_str()).collect::<Vec<_>>(), ["C1"]);
+        // Judged again, nothing is lost any more: no relay stops on them again.
+        let again = store.resend_lost("c1".into(), Lost::Probed(probed)).await.unwrap();
+        assert_eq!((again.beyond_history, again.compacted), (0, 0), "{again:?}");
+        assert_eq!(store.recorded_consumer_db().await.unwrap().as_deref(), Some("c1"));
+    })
+    .await;
+}
+
 /// Version 2 to 3 on PostgreSQL in place: rows keep their bodies, and compact afterwards.
 #[tokio::test]
 async fn the_upgrade_to_version_3_keeps_every_body_and_compacts_afterwards() {

@@ -295,10 +295,14 @@ async fn a_relay_refuses_to_resend_history_the_producer_compacted() {
     commit(&producer, "lost", 3).await;
     let sent = relay(&producer.db, &consumer.process.url(), &["drain"], &[]);
     assert_eq!(sent.code, Some(0), "{sent:?}");
-    drop(consumer);
 
-    // Every accepted row is compacted, then the consumer comes back from the older copy.
+    // Every accepted row is compacted; then one more is accepted (it keeps its body), and the
+    // consumer comes back from the older copy.
     assert_eq!(compact_line(&compact_once(&producer.db, "0", &[]))["compacted"], 6);
+    commit(&producer, "late", 1).await;
+    let sent = relay(&producer.db, &consumer.process.url(), &["drain"], &[]);
+    assert_eq!(sent.code, Some(0), "{sent:?}");
+    drop(consumer);
     let restored = Consumer::start_on(backup, work.path("consumer-3.log"), true, &[]);
     // A new row, so `once` has something to send (it checks the consumer only then).
     commit(&producer, "new", 1).await;
@@ -307,10 +311,17 @@ async fn a_relay_refuses_to_resend_history_the_producer_compacted() {
     assert_eq!(stopped.code, Some(1), "{stopped:?}");
     let err = &stopped.stderr;
     assert!(err.contains("CONSUMER HISTORY LOST BEYOND RETENTION"), "{err}");
-    assert!(err.contains("3 accepted rows are missing"), "{err}");
+    assert!(err.contains("4 accepted rows are missing"), "{err}");
     assert!(err.contains("3 of them compacted"), "{err}");
     assert!(err.contains("lost1"), "{err}");
     assert!(err.contains("Restore a newer copy of the consumer database"), "{err}");
+    let consumer_db_id = err
+        .split("missing from consumer database ")
+        .nth(1)
+        .and_then(|rest| rest.split(',').next())
+        .expect("the error names the consumer database")
+        .to_owned();
+    assert!(err.contains(&format!("relay accept-lost --consumer-database-id {consumer_db_id}")), "{err}");
     assert_eq!(stopped.deliveries().count(), 0, "nothing may be sent");
     assert_eq!(db::outbox(&producer.db), before, "nothing may be unmarked");
     assert!(db::inbox(&restored.db).iter().all(|r| r.flow_id == "kept"));
@@ -320,9 +331,54 @@ async fn a_relay_refuses_to_resend_history_the_producer_compacted() {
     let stopped = relay(&producer.db, &restored.process.url(), &["run", "--poll-ms", "100"], &[]);
     assert_eq!(stopped.code, Some(1), "{stopped:?}");
     assert!(stopped.stderr.contains("CONSUMER HISTORY LOST BEYOND RETENTION"), "{}", stopped.stderr);
-    for row in db::outbox(&producer.db).iter().filter(|r| r.flow_id != "new") {
+    for row in db::outbox(&producer.db).iter().filter(|r| r.flow_id != "new" && r.flow_id != "late") {
         assert!(row.accepted && row.compacted, "a compacted row was unmarked: {row:?}");
     }
+
+    // No newer copy exists: an operator accepts the loss. The database id is required, and
+    // another database's id is refused without changing anything.
+    let url = restored.process.url();
+    let before = db::outbox(&producer.db);
+    let missing = relay(&producer.db, &url, &["accept-lost"], &[]);
+    assert_eq!(missing.code, Some(2), "{missing:?}");
+    assert!(missing.stderr.contains("--consumer-database-id"), "{}", missing.stderr);
+    let wrong = relay(&producer.db, &url, &["accept-lost", "--consumer-database-id", "another-db"], &[]);
+    assert_eq!(wrong.code, Some(1), "{wrong:?}");
+    assert!(wrong.stderr.contains("accept-lost refused"), "{}", wrong.stderr);
+    assert!(wrong.stderr.contains("not another-db"), "{}", wrong.stderr);
+    assert!(wrong.stderr.contains("nothing was changed"), "{}", wrong.stderr);
+    assert_eq!(db::outbox(&producer.db), before, "a refused accept-lost changed the outbox");
+
+    let accepted =
+        relay(&producer.db, &url, &["accept-lost", "--consumer-database-id", &consumer_db_id], &[]);
+    assert_eq!(accepted.code, Some(0), "{accepted:?}");
+    assert!(accepted.stderr.contains("CONSUMER HISTORY LOSS ACCEPTED BY AN OPERATOR"), "{}", accepted.stderr);
+    assert_eq!(accepted.lines.len(), 1, "one line: {:?}", accepted.lines);
+    let line = &accepted.lines[0];
+    assert_eq!(line["type"], "accept_lost", "{line}");
+    assert_eq!(line["consumer_database_id"], consumer_db_id.as_str(), "{line}");
+    assert_eq!(
+        (line["lost"].as_u64(), line["loss_accepted"].as_u64(), line["unmarked"].as_u64()),
+        (Some(4), Some(3), Some(1)),
+        "{line}"
+    );
+    assert_eq!(line["first"], serde_json::json!(["lost1", "lost2", "lost3"]), "{line}");
+    assert_eq!(accepted.deliveries().count(), 0, "accept-lost sends nothing");
+
+    // The relay runs again: the row that kept its body is sent again; the compacted ones
+    // stay accepted (LOST_ACCEPTED) and are never sent; their flow waits at a gap.
+    let resent = relay(&producer.db, &url, &["drain"], &[]);
+    assert_eq!(resent.code, Some(0), "{resent:?}");
+    assert!(resent.deliveries().any(|d| d["event_id"] == "late1"), "{:?}", resent.lines);
+    assert!(!resent.stderr.contains("CONSUMER HISTORY LOST"), "{}", resent.stderr);
+    for row in db::outbox(&producer.db) {
+        assert!(row.accepted, "{row:?}");
+        let expected = if row.flow_id == "lost" { "LOST_ACCEPTED" } else { "ACCEPTED" };
+        assert_eq!(row.last_outcome.as_deref(), Some(expected), "{row:?}");
+    }
+    let inbox: Vec<String> = db::inbox(&restored.db).into_iter().map(|r| r.event_id).collect();
+    assert!(inbox.contains(&"late1".to_owned()) && inbox.contains(&"new1".to_owned()), "{inbox:?}");
+    assert!(!inbox.iter().any(|id| id.starts_with("lost")), "{inbox:?}");
 }
 
 /// Copies a stopped consumer's database: its file (SQLite, WAL checkpointed on clean exit),
