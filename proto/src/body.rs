@@ -3,7 +3,6 @@
 //! never depend on serde_json's map ordering features.
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 
 use serde::Deserialize;
 
@@ -51,7 +50,7 @@ impl Event {
     /// sorted at every level and no insignificant whitespace. Two deliveries are the same
     /// event iff these bytes are identical.
     pub fn canonical_body(&self) -> String {
-        let mut out = String::with_capacity(128);
+        let mut out = String::with_capacity(96 + self.event_id.len() + self.flow_id.len() + self.kind.len());
         out.push_str("{\"event_id\":");
         push_json_str(&mut out, &self.event_id);
         out.push_str(",\"flow_id\":");
@@ -59,9 +58,12 @@ impl Event {
         out.push_str(",\"kind\":");
         push_json_str(&mut out, &self.kind);
         out.push_str(",\"payload\":");
-        out.push_str(&canonical_payload(&self.payload));
-        // Writing into a String cannot fail.
-        let _ = write!(out, ",\"schema\":{},\"seq\":{}}}", self.schema, self.seq);
+        push_payload(&mut out, &self.payload);
+        out.push_str(",\"schema\":");
+        out.push_str(itoa::Buffer::new().format(self.schema));
+        out.push_str(",\"seq\":");
+        out.push_str(itoa::Buffer::new().format(self.seq));
+        out.push('}');
         out
     }
 
@@ -174,24 +176,28 @@ fn plain_number(text: &str) -> Option<u64> {
 /// The canonical JSON text of a payload: members sorted by key, no whitespace.
 pub fn canonical_payload(payload: &Payload) -> String {
     let mut out = String::with_capacity(32);
+    push_payload(&mut out, payload);
+    out
+}
+
+/// Appends [`canonical_payload`]'s text. Integers are written by `itoa` (the same digits as
+/// `Display`, without the formatting machinery a `write!` costs per integer).
+fn push_payload(out: &mut String, payload: &Payload) {
     out.push('{');
     for (i, (key, value)) in payload.iter().enumerate() {
         if i > 0 {
             out.push(',');
         }
-        push_json_str(&mut out, key);
+        push_json_str(out, key);
         out.push(':');
         match value {
-            Scalar::Str(s) => push_json_str(&mut out, s),
-            Scalar::Int(n) => {
-                let _ = write!(out, "{n}");
-            }
+            Scalar::Str(s) => push_json_str(out, s),
+            Scalar::Int(n) => out.push_str(itoa::Buffer::new().format(*n)),
             Scalar::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
             Scalar::Null => out.push_str("null"),
         }
     }
     out.push('}');
-    out
 }
 
 fn push_json_str(out: &mut String, s: &str) {
@@ -293,6 +299,16 @@ mod tests {
         assert!(from_canonical_layout(&bodies[2]).is_some());
         assert!(from_canonical_layout(&bodies[1]).is_none());
         assert!(bodies[3..].iter().all(|b| from_canonical_layout(b).is_none()));
+    }
+
+    #[test]
+    fn integers_are_written_as_display_writes_them() {
+        for n in [0, 1, -1, 10, -10, MAX_SAFE_INT, -MAX_SAFE_INT, i64::MAX, i64::MIN] {
+            let payload = Payload::from([("n".to_owned(), Scalar::Int(n))]);
+            assert_eq!(canonical_payload(&payload), format!("{{\"n\":{n}}}"));
+        }
+        let e = Event { schema: u32::MAX, seq: u64::MAX, ..event("{}") };
+        assert!(e.canonical_body().ends_with(&format!(",\"schema\":{},\"seq\":{}}}", u32::MAX, u64::MAX)));
     }
 
     #[test]
