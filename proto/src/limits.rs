@@ -486,6 +486,7 @@ mod tests {
         let text = format!("{{{}}}", " ".repeat(MAX_PAYLOAD_TEXT_BYTES));
         assert!(parse_payload(&text).unwrap_err().message.contains("bytes of JSON text"));
     }
+
     #[test]
     fn canonical_payloads_take_the_fast_path_and_others_the_general_parser() {
         for text in [
