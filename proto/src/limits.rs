@@ -94,11 +94,13 @@ pub fn check_envelope(env: &pb::EventEnvelope) -> Result<Event, LimitError> {
     })
 }
 
+/// The request field a payload error names (a member's error adds `.<key>`).
+const FIELD: &str = "payload_json";
+
 /// Parses and checks a payload's JSON text: an object of at most 16 members with distinct
 /// names, scalar values only (strings ≤ 256 bytes, integers with |n| ≤ 2^53, bools, null),
 /// at most 4 KiB in canonical form.
 pub fn parse_payload(text: &str) -> Result<Payload, LimitError> {
-    const FIELD: &str = "payload_json";
     if text.len() > MAX_PAYLOAD_TEXT_BYTES {
         return Err(LimitError::new(
             FIELD,
@@ -176,7 +178,6 @@ fn canonical_scalar(text: &str) -> Option<(Scalar, &str)> {
 
 /// [`parse_payload`] through the general JSON parser: any layout, and every error.
 fn parse_any_payload(text: &str) -> Result<Payload, LimitError> {
-    const FIELD: &str = "payload_json";
     let mut de = serde_json::Deserializer::from_str(text);
     let members = de
         .deserialize_map(MembersVisitor)
