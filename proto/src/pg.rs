@@ -293,8 +293,9 @@ pub async fn open(url: &PgUrl, kind: &PgKind, mode: OpenMode, pool_size: usize) 
     Ok(Opened { pool, database_id, effective })
 }
 
-/// The pool for `url`: every session gets `synchronous_commit=on`, `enable_seqscan=off`, the kind's `search_path`
-/// and an `application_name`, as start-up options (so no statement can forget them).
+/// The pool for `url`: every session gets `synchronous_commit=on`, `enable_seqscan=off`,
+/// `jit=off`, the kind's `search_path` and an `application_name`, as start-up options (so no
+/// statement can forget them).
 fn pool(url: &PgUrl, kind: &PgKind, size: usize) -> Result<Pool, PgError> {
     let mut config = url.config();
     let mut options = config.get_options().map(str::to_owned).unwrap_or_default();
@@ -309,8 +310,16 @@ fn pool(url: &PgUrl, kind: &PgKind, size: usize) -> Result<Pool, PgError> {
     // keeps its default (`auto`): forcing a custom plan for every execution instead, as
     // before, planned each foreign-key check and trigger statement once per row, about 14 %
     // of the server's CPU (perf, `bench --backend postgres`).
-    options
-        .push_str(&format!("-c synchronous_commit=on -c enable_seqscan=off -c search_path={}", kind.schema));
+    // No JIT compilation: `enable_seqscan=off` prices a sequential scan that no index can
+    // replace (the relays' 64-row lease table, the heartbeat table's expiry sweep) above
+    // `jit_above_cost`, so each such statement was compiled by LLVM first: 100-250 ms of the
+    // server's CPU per lease renewal, for statements that run in microseconds (measured with
+    // `pg_stat_statements` during `bench --backend postgres`). No statement of the stores
+    // is large enough for JIT to pay.
+    options.push_str(&format!(
+        "-c synchronous_commit=on -c enable_seqscan=off -c jit=off -c search_path={}",
+        kind.schema
+    ));
     config.options(&options);
     if config.get_application_name().is_none() {
         config.application_name(format!("ordered-events-{}", kind.name));
@@ -593,6 +602,16 @@ mod tests {
         // search_path is the kind's schema: the DDL's table is there, unqualified.
         let client = again.pool.get().await.unwrap();
         client.execute("INSERT INTO t(x) VALUES (1)", &[]).await.unwrap();
+        // Every pooled session carries the planner settings the stores rely on.
+        let row = client
+            .query_one(
+                "SELECT current_setting('enable_seqscan'), current_setting('jit'), current_setting('search_path')",
+                &[],
+            )
+            .await
+            .unwrap();
+        let settings: (String, String, String) = (row.get(0), row.get(1), row.get(2));
+        assert_eq!(settings, ("off".into(), "off".into(), KIND.schema.into()));
         let older = PgKind { version: 1, ..KIND };
         let err = open(&url, &older, OpenMode::Create, 2).await.err().expect("newer");
         assert!(err.to_string().contains("newer than this build supports (1)"), "{err}");
