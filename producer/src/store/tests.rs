@@ -588,6 +588,7 @@ async fn the_upgrade_to_version_2_computes_every_rows_partition_as_the_producer_
              DROP INDEX outbox_compactable;
              ALTER TABLE outbox DROP CONSTRAINT outbox_body_or_digest, DROP COLUMN body_sha256;
              ALTER TABLE outbox ALTER COLUMN body SET NOT NULL;
+             ALTER TABLE outbox ADD CONSTRAINT outbox_flow_id_fkey FOREIGN KEY (flow_id) REFERENCES flow(flow_id);
              UPDATE meta SET schema_version = 1;",
         )
         .await;
@@ -595,7 +596,8 @@ async fn the_upgrade_to_version_2_computes_every_rows_partition_as_the_producer_
     let Place::Postgres(db) = &place else { unreachable!() };
     let client = pg_client(db).await;
     let version: i32 = client.query_one("SELECT schema_version FROM meta", &[]).await.unwrap().get(0);
-    // Every step up to the current one ran (2 is this test's; 3 adds the tombstones).
+    // Every step up to the current one ran (2 is this test's; 3 adds the tombstones, 4 drops
+    // the outbox's foreign key).
     assert_eq!(version, KIND_PG_VERSION);
     let rows = client.query("SELECT flow_id, partition FROM outbox", &[]).await.unwrap();
     assert_eq!(rows.len(), flows.len());
@@ -776,7 +778,7 @@ async fn accepting_a_loss_keeps_the_compacted_rows_accepted_and_resends_the_rest
     .await;
 }
 
-/// Version 2 to 3 on PostgreSQL in place: rows keep their bodies, and compact afterwards.
+/// Version 2 to 3 (and on) on PostgreSQL in place: rows keep their bodies, and compact afterwards.
 #[tokio::test]
 async fn the_upgrade_to_version_3_keeps_every_body_and_compacts_afterwards() {
     let Some(db) = TestDb::create("producer_store_upgrade_3") else { return };
@@ -796,11 +798,15 @@ async fn the_upgrade_to_version_3_keeps_every_body_and_compacts_afterwards() {
              ALTER TABLE outbox ALTER COLUMN body SET NOT NULL;
              ALTER TABLE outbox RESET (autovacuum_vacuum_scale_factor, autovacuum_vacuum_threshold,
                                        autovacuum_vacuum_insert_scale_factor);
+             ALTER TABLE outbox ADD CONSTRAINT outbox_flow_id_fkey FOREIGN KEY (flow_id) REFERENCES flow(flow_id);
              UPDATE meta SET schema_version = 2;",
         )
         .await;
     let store = place.open(None).await;
-    assert_eq!(place.text("SELECT CAST(schema_version AS TEXT) FROM meta").await.as_deref(), Some("3"));
+    let version = KIND_PG_VERSION.to_string();
+    assert_eq!(place.text("SELECT CAST(schema_version AS TEXT) FROM meta").await, Some(version));
+    let keys = "SELECT CAST(count(*) AS TEXT) FROM pg_constraint WHERE conname = 'outbox_flow_id_fkey'";
+    assert_eq!(place.text(keys).await.as_deref(), Some("0"), "version 4 drops the key");
     let (_, rows) = store.flow("A".into()).await.unwrap();
     assert!(!rows[0].compacted && rows[0].body.contains("\"A1\""), "{rows:?}");
     let body = rows[0].body.clone();
