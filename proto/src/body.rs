@@ -132,13 +132,11 @@ fn from_canonical_layout(body: &str) -> Option<Event> {
     let rest = rest.strip_prefix(",\"kind\":")?;
     let (kind, rest) = plain_string(rest)?;
     let rest = rest.strip_prefix(",\"payload\":")?;
-    // The top-level `schema` and `seq` end the body; a payload member may be named `schema`,
-    // but it comes before them, so the last occurrence is the top-level one.
-    let at = rest.rfind(",\"schema\":")?;
-    let (payload_text, tail) = rest.split_at(at);
-    let tail = tail.strip_prefix(",\"schema\":")?;
-    let (schema, tail) = tail.split_once(",\"seq\":")?;
-    let seq = tail.strip_suffix('}')?;
+    // The top-level `schema` and `seq` end the body, read from the end (a payload member
+    // may be named `schema`, but it comes before them).
+    let (rest, seq) = trailing_digits(rest.strip_suffix('}')?);
+    let (rest, schema) = trailing_digits(rest.strip_suffix(",\"seq\":")?);
+    let payload_text = rest.strip_suffix(",\"schema\":")?;
     let schema = plain_number(schema)?.try_into().ok()?;
     let seq = plain_number(seq)?;
     // Only a payload already in canonical form (what the general parser's re-serialization
@@ -163,6 +161,12 @@ pub(crate) fn plain_string(text: &str) -> Option<(&str, &str)> {
         return None;
     }
     Some((&inner[..end], &inner[end + 1..]))
+}
+
+/// `text` split before the ASCII digits that end it.
+fn trailing_digits(text: &str) -> (&str, &str) {
+    let digits = text.bytes().rev().take_while(u8::is_ascii_digit).count();
+    text.split_at(text.len() - digits)
 }
 
 /// A JSON non-negative integer as the canonical body writes it (no sign, no leading zero).
@@ -289,6 +293,9 @@ mod tests {
                 .to_owned(),
             r#"{"event_id":"A1","flow_id":"A","kind":"reserved","payload":{"amount":3},"schema":99999999999,"seq":1}"#
                 .to_owned(),
+            r#"{"event_id":"A1","flow_id":"A","kind":"reserved","payload":{"amount":3},"schema":,"seq":1}"#.to_owned(),
+            r#"{"event_id":"A1","flow_id":"A","kind":"reserved","payload":{"amount":3},"seq":1,"schema":1}"#.to_owned(),
+            r#"{"event_id":"A1","flow_id":"A","kind":"reserved","payload":{"amount":3},"schema":1,"seq":1 }"#.to_owned(),
         ];
         for body in &bodies {
             assert_eq!(Event::from_canonical_body(body), Event::from_any_body(body), "{body}");
@@ -297,6 +304,7 @@ mod tests {
         // string with an escaped quote is canonical too, but the general parser reads it).
         assert!(from_canonical_layout(&bodies[0]).is_some());
         assert!(from_canonical_layout(&bodies[2]).is_some());
+        assert!(from_canonical_layout(&event("{}").canonical_body()).is_some());
         assert!(from_canonical_layout(&bodies[1]).is_none());
         assert!(bodies[3..].iter().all(|b| from_canonical_layout(b).is_none()));
     }
