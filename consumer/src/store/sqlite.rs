@@ -845,7 +845,7 @@ fn step_in_tx(
         Some(projection) => projection,
         None => projection_with(held, flow_id).map_err(|e| classify(tx, e))?,
     };
-    let next = next_to_apply_with(held, flow_id, from.next_seq()).map_err(|e| classify(tx, e))?;
+    let (next, position) = next_row_with(held, flow_id, from.next_seq()).map_err(|e| classify(tx, e))?;
     let state = state_of(&next, from.next_seq());
     seen.get_or_insert(Seen { first: state, now: None }).now = Some(state);
     let row = match next {
@@ -889,7 +889,7 @@ fn step_in_tx(
         Decision::Apply { kind, after } => {
             let now = runtime::now_us();
             let applied = db::in_step(tx, steps, |_| {
-                apply_step_with(held, &row, &from, kind, &after, &opts.crash, now, unapplied)
+                apply_step_with(held, &row, position, &from, kind, &after, &opts.crash, now, unapplied)
             })?;
             match applied {
                 StepOutcome::Applied => {
@@ -1190,14 +1190,23 @@ macro_rules! inbox_columns {
     () => {
         "i.event_id, i.flow_id, i.seq, i.kind, i.schema,
          (SELECT b.body FROM inbox_body b WHERE b.position = i.rowid), i.body_sha256, i.state, i.reason,
-         i.committed_at_us FROM inbox i"
+         i.committed_at_us, i.rowid FROM inbox i"
     };
 }
 
-/// The row at one (flow_id, seq). The body is read by a scalar subquery, not a `LEFT JOIN`:
-/// with the join SQLite re-prepared the statement at almost every run (its plan depended on
-/// the bound values), about 110k instructions per applied event (callgrind, bench).
+/// The flow's first row at or after a seq, in one seek of the `(flow_id, seq)` key: the row
+/// to apply when it sits at exactly that seq, a gap when it sits later, nothing when the flow
+/// has no row there (every row after the projection is unapplied, so this finds what the
+/// partial index would, and an applied one is reported as the inconsistency it is). One
+/// statement where a row at the seq and then "a later unapplied one?" took two each time a
+/// flow's steps ran out. The body is read by a scalar subquery, not a `LEFT JOIN`: with the
+/// join SQLite re-prepared the statement at almost every run (its plan depended on the bound
+/// values), about 110k instructions per applied event (callgrind, bench).
+/// The row at one (flow_id, seq) (ListStuck's lowest unapplied row).
 const INBOX_AT_SEQ_SQL: &str = concat!("SELECT ", inbox_columns!(), " WHERE i.flow_id = ?1 AND i.seq = ?2");
+
+const INBOX_FROM_SEQ_SQL: &str =
+    concat!("SELECT ", inbox_columns!(), " WHERE i.flow_id = ?1 AND i.seq >= ?2 ORDER BY i.seq LIMIT 1");
 
 fn raw_inbox(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawInbox> {
     Ok(RawInbox {
@@ -1226,19 +1235,25 @@ pub fn next_to_apply(conn: &Connection, flow_id: &str, next_seq: u64) -> Result<
 
 /// [`next_to_apply`] with the batch's held statements.
 fn next_to_apply_with(held: &mut Held<'_>, flow_id: &str, next_seq: u64) -> Result<Next> {
-    let raw = held.get(INBOX_AT_SEQ_SQL)?.query_row(params![flow_id, next_seq], raw_inbox).optional()?;
-    if let Some(raw) = raw {
-        let row = inbox_record(raw)?;
-        if row.state == InboxState::Applied {
-            return Err(StoreError::Inconsistent(format!(
-                "inbox {} (flow {flow_id}, seq {next_seq}) is applied but the projection is before it",
-                row.event_id
-            )));
-        }
-        return Ok(Next::Row(row));
+    Ok(next_row_with(held, flow_id, next_seq)?.0)
+}
+
+/// [`next_to_apply_with`], and for a row its position (rowid), which the step's mark uses
+/// as its key (0 for a gap or idle).
+fn next_row_with(held: &mut Held<'_>, flow_id: &str, next_seq: u64) -> Result<(Next, i64)> {
+    let found = held
+        .get(INBOX_FROM_SEQ_SQL)?
+        .query_row(params![flow_id, next_seq], |r| Ok((raw_inbox(r)?, r.get::<_, i64>(10)?)))
+        .optional()?;
+    let Some((raw, position)) = found else { return Ok((Next::Idle, 0)) };
+    let row = inbox_record(raw)?;
+    if row.state == InboxState::Applied {
+        return Err(StoreError::Inconsistent(format!(
+            "inbox {} (flow {flow_id}, seq {}) is applied but the projection is before it (next seq {next_seq})",
+            row.event_id, row.seq
+        )));
     }
-    let later: bool = held.get(LATER_UNAPPLIED_SQL)?.query_row(params![flow_id, next_seq], |r| r.get(0))?;
-    Ok(if later { Next::Gap } else { Next::Idle })
+    Ok(if row.seq == next_seq { (Next::Row(row), position) } else { (Next::Gap, 0) })
 }
 
 /// Whether the flow has an unapplied row after a seq (answered from `inbox_unapplied`).
@@ -1273,7 +1288,8 @@ fn apply_step(
     now_us: i64,
     unapplied: &mut Unapplied,
 ) -> Result<StepOutcome> {
-    apply_step_with(&mut Held::new(tx), row, from, kind, after, crash, now_us, unapplied)
+    let position = inbox_position(tx, &row.event_id)?.and_then(|p| i64::try_from(p).ok()).unwrap_or(0);
+    apply_step_with(&mut Held::new(tx), row, position, from, kind, after, crash, now_us, unapplied)
 }
 
 /// Inside the caller's `BEGIN IMMEDIATE` transaction, with the batch's held statements, the
@@ -1286,6 +1302,7 @@ fn apply_step(
 fn apply_step_with(
     held: &mut Held<'_>,
     row: &InboxRecord,
+    position: i64,
     from: &Projection,
     kind: Kind,
     after: &Projection,
@@ -1339,9 +1356,9 @@ fn apply_step_with(
     let marked = held
         .get(
             "UPDATE inbox SET state = 'applied', reason = NULL, applied_at_us = ?2
-             WHERE event_id = ?1 AND state <> 'applied'",
+             WHERE rowid = ?1 AND state <> 'applied'",
         )?
-        .execute(params![row.event_id, now_us])?;
+        .execute(params![position, now_us])?;
     if marked != 1 {
         return Err(StoreError::Inconsistent(format!(
             "inbox {} vanished or was applied while the projection was at seq {}",
@@ -1811,12 +1828,14 @@ mod tests {
         for flow in ["A", "B", "C"] {
             receive(&mut conn, &reference(flow, 1));
         }
-        for sql in
-            [INBOX_AT_SEQ_SQL, concat!("SELECT ", inbox_columns!(), " WHERE i.flow_id = ?1 ORDER BY i.seq")]
-        {
+        for sql in [
+            INBOX_AT_SEQ_SQL,
+            INBOX_FROM_SEQ_SQL,
+            concat!("SELECT ", inbox_columns!(), " WHERE i.flow_id = ?1 ORDER BY i.seq"),
+        ] {
             let mut stmt = conn.prepare(sql).unwrap();
             for flow in ["A", "B", "C", "A"] {
-                let n = if sql.contains("i.seq = ?2") {
+                let n = if sql.contains("?2") {
                     stmt.query(params![flow, 1]).unwrap().mapped(raw_inbox).count()
                 } else {
                     stmt.query(params![flow]).unwrap().mapped(raw_inbox).count()
@@ -1825,6 +1844,19 @@ mod tests {
             }
             assert_eq!(stmt.get_status(rusqlite::StatementStatus::RePrepare), 0, "{sql}");
         }
+    }
+
+    /// The step's row read is one seek of the `(flow_id, seq)` key, already in seq order.
+    #[test]
+    fn the_next_row_is_one_seek_of_the_flow_seq_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let conn = open(&dir.path().join("c.db")).unwrap();
+        let plan = plan(&conn, INBOX_FROM_SEQ_SQL, params!["A", 1]);
+        assert!(
+            plan.contains("SEARCH i USING INDEX sqlite_autoindex_inbox_2 (flow_id=? AND seq>?)"),
+            "{plan}"
+        );
+        assert!(!plan.contains("TEMP B-TREE"), "{plan}");
     }
 
     #[test]
@@ -1859,6 +1891,7 @@ mod tests {
         assert_eq!(step(&mut conn, "A"), Some(StepOutcome::Applied));
         let err = next_to_apply(&conn, "A", 1).unwrap_err();
         assert!(matches!(err, StoreError::Inconsistent(_)), "{err}");
+        assert_eq!(next_to_apply(&conn, "A", 2).unwrap(), Next::Gap);
     }
 
     #[test]
