@@ -16,7 +16,7 @@ use rusqlite::{Connection, OptionalExtension, Transaction, params};
 use tokio::sync::{mpsc, oneshot};
 
 use super::{
-    AcceptedBy, AdvanceReply, Backlog, CompactReport, Decision, DeliveryAnswer, FlowRecord, LOST_ACCEPTED,
+    AdvanceReply, Backlog, CompactReport, Decision, DeliveryAnswer, FlowRecord, LOST_ACCEPTED,
     LOST_BY_CONSUMER, Lost, LostRows, MARK_BATCHES, NO_ANSWER, OutboxRecord, ProbedRow, Recorded, Role,
     StoreError, add_probed, decide,
 };
@@ -25,12 +25,55 @@ use crate::request::AdvanceCommand;
 /// producer.db: identity and schema (version 2: version 1, then the database identity and
 /// which consumer database accepted each row, at which position; version 3: the flow state
 /// check without an `IN` list; version 4: the backlog counter kept by the store, not by
-/// triggers; version 5: bodies in their own table, so compaction can drop them).
+/// triggers; version 5: bodies in their own table, so compaction can drop them; version 6:
+/// consumer databases named by an integer key in each accepted row).
 pub const KIND: DbKind = DbKind::producer(
-    5,
+    6,
     SCHEMA,
-    &[IDENTITY_SQL, PLAIN_CHECKS_SQL, COUNTER_WITHOUT_TRIGGERS_SQL, BODIES_APART_SQL],
+    &[IDENTITY_SQL, PLAIN_CHECKS_SQL, COUNTER_WITHOUT_TRIGGERS_SQL, BODIES_APART_SQL, CONSUMER_KEYS_SQL],
 );
+
+/// Version 6: `outbox.accepted_by` holds the integer key of the consumer database in
+/// `consumer_database` instead of its 32-character id. Every accepted row kept that id twice
+/// for ever (in the row and in `outbox_accepted_by`), ~62 of the ~270 bytes a finished
+/// outbox row keeps after compaction (`dbstat`, 30 000 events); a key is one byte in each.
+/// The CHECK makes a build that still writes the text id (an older relay left running across
+/// the upgrade) fail its write instead of mixing the two. The column is rebuilt once (added,
+/// filled, the old one dropped, renamed), its index dropped and made again around it.
+const CONSUMER_KEYS_SQL: &str = "
+CREATE TABLE consumer_database(
+    id INTEGER PRIMARY KEY,
+    database_id TEXT NOT NULL UNIQUE
+);
+INSERT INTO consumer_database(database_id)
+SELECT DISTINCT accepted_by FROM outbox WHERE accepted_by IS NOT NULL ORDER BY accepted_by;
+DROP INDEX outbox_accepted_by;
+ALTER TABLE outbox ADD COLUMN accepted_by_key INTEGER
+    CHECK(accepted_by_key IS NULL OR typeof(accepted_by_key) = 'integer');
+UPDATE outbox SET accepted_by_key =
+    (SELECT c.id FROM consumer_database c WHERE c.database_id = outbox.accepted_by)
+WHERE accepted_by IS NOT NULL;
+ALTER TABLE outbox DROP COLUMN accepted_by;
+ALTER TABLE outbox RENAME COLUMN accepted_by_key TO accepted_by;
+CREATE INDEX outbox_accepted_by ON outbox(accepted_by, accepted_position) WHERE accepted = 1;
+";
+
+/// The key `consumer_database` gives a consumer database's id; 0, which no row holds, for an
+/// id never recorded (so it matches no row, and every recorded one is another database).
+fn consumer_key(conn: &Connection, consumer_db: &str) -> Result<i64, StoreError> {
+    Ok(conn
+        .prepare_cached("SELECT id FROM consumer_database WHERE database_id = ?1")?
+        .query_row([consumer_db], |r| r.get(0))
+        .optional()?
+        .unwrap_or(0))
+}
+
+/// Inside a write transaction: the key of a consumer database's id, recorded first if new.
+fn recorded_consumer_key(tx: &Transaction<'_>, consumer_db: &str) -> Result<i64, StoreError> {
+    tx.prepare_cached("INSERT INTO consumer_database(database_id) VALUES (?1) ON CONFLICT DO NOTHING")?
+        .execute([consumer_db])?;
+    consumer_key(tx, consumer_db)
+}
 
 /// Version 5 (retention): each outbox row gets a stable `id` (an `INTEGER PRIMARY KEY`, which
 /// `VACUUM` never renumbers) and its canonical body moves to `outbox_body`, keyed by that id;
@@ -277,9 +320,11 @@ impl SqliteStore {
             let now = runtime::now_us();
             let mut marked = false;
             let mut unaccepted = Unaccepted::new(None);
+            let key = consumer_db.as_deref().map(|db| recorded_consumer_key(&tx, db)).transpose()?;
             let mut held = Held::new(&tx);
             for answer in &answers {
-                let accepted_by = answer.accepted_by(consumer_db.as_deref());
+                let accepted_by =
+                    key.zip(answer.accepted_by(consumer_db.as_deref())).map(|(key, by)| (key, by.position));
                 record_delivery(
                     &mut held,
                     &answer.event_id,
@@ -332,21 +377,22 @@ impl SqliteStore {
                 Lost::Beyond(highest) => *highest,
                 Lost::Probed(_) => NOTHING_BEYOND,
             };
-            let mut found = lost_rows(&tx, &consumer_db, highest_position)?;
+            let key = consumer_key(&tx, &consumer_db)?;
+            let mut found = lost_rows(&tx, key, highest_position)?;
             let probed = match &lost {
                 Lost::Beyond(_) => Vec::new(),
-                Lost::Probed(pairs) => still_recorded(&tx, &consumer_db, pairs)?,
+                Lost::Probed(pairs) => still_recorded(&tx, key, pairs)?,
             };
             add_probed(&mut found, &probed);
             // Rows compacted to tombstones cannot be sent again: unmark nothing, the caller
             // stops, unless an operator accepted their loss.
             if found.other_database + found.beyond_history > 0 && (found.compacted == 0 || accept) {
                 if found.compacted > 0 {
-                    found.loss_accepted = accept_compacted(&tx, &consumer_db, highest_position, &probed)?;
+                    found.loss_accepted = accept_compacted(&tx, key, highest_position, &probed)?;
                 }
                 let mut unaccepted = Unaccepted::new(None);
-                unmark_lost(&tx, &consumer_db, highest_position, &mut unaccepted)?;
-                unmark_probed(&tx, &consumer_db, &probed, &mut unaccepted)?;
+                unmark_lost(&tx, key, highest_position, &mut unaccepted)?;
+                unmark_probed(&tx, key, &probed, &mut unaccepted)?;
                 unaccepted.write(&tx)?;
                 tx.commit()?;
             }
@@ -359,7 +405,8 @@ impl SqliteStore {
         self.blocking("read the consumer database of accepted rows", |conn, _| {
             Ok(conn
                 .prepare_cached(
-                    "SELECT max(accepted_by) FROM outbox INDEXED BY outbox_accepted_by WHERE accepted = 1",
+                    "SELECT (SELECT database_id FROM consumer_database WHERE id =
+                       (SELECT max(accepted_by) FROM outbox INDEXED BY outbox_accepted_by WHERE accepted = 1))",
                 )?
                 .query_row([], |r| r.get(0))?)
         })
@@ -375,6 +422,7 @@ impl SqliteStore {
         self.blocking("read accepted rows by position", move |conn, _| {
             // The first page: below a position no row has (the id is then never compared).
             let (position, event_id) = below.unwrap_or((NOTHING_BEYOND, String::new()));
+            let key = consumer_key(conn, &consumer_db)?;
             let rows = conn
                 .prepare_cached(
                     "SELECT accepted_position, event_id FROM outbox INDEXED BY outbox_accepted_by
@@ -382,9 +430,7 @@ impl SqliteStore {
                        AND (accepted_position < ?2 OR event_id < ?3)
                      ORDER BY accepted_position DESC, event_id DESC LIMIT ?4",
                 )?
-                .query_map(params![consumer_db, position, event_id, limit as i64], |r| {
-                    Ok((r.get(0)?, r.get(1)?))
-                })?
+                .query_map(params![key, position, event_id, limit as i64], |r| Ok((r.get(0)?, r.get(1)?)))?
                 .collect::<rusqlite::Result<_>>()?;
             Ok(rows)
         })
@@ -712,21 +758,22 @@ pub fn unaccepted_after(
 /// Inside a relay's transaction: counts one send of `event_id` with the consumer's answer,
 /// and when the answer [holds the event](DeliveryAnswer::holds_event) sets `accepted = 1`
 /// (counted in `unaccepted`) and, when known, which consumer database holds it at which inbox
-/// position (`accepted_by`). Any other answer leaves the row unaccepted and `accepted_by` as
-/// it was (`held`: the run's statements, see [`Held`]). One statement in the common case (a row accepted by this answer); a row already
-/// accepted (a resend answered `DUPLICATE`) or refused takes the plain count. Returns false
-/// when no such row exists.
+/// position (`accepted_by`: the database's key, see [`recorded_consumer_key`], and the
+/// position). Any other answer leaves the row unaccepted and `accepted_by` as it was (`held`:
+/// the run's statements, see [`Held`]). One statement in the common case (a row accepted by
+/// this answer); a row already accepted (a resend answered `DUPLICATE`) or refused takes the
+/// plain count. Returns false when no such row exists.
 pub fn record_delivery(
     held: &mut Held<'_>,
     event_id: &str,
     answer: DeliveryAnswer,
     now_us: i64,
-    accepted_by: Option<AcceptedBy<'_>>,
+    accepted_by: Option<(i64, u64)>,
     unaccepted: &mut Unaccepted,
 ) -> Result<bool, StoreError> {
     let word = answer.word();
     if answer.holds_event() {
-        let (by, position) = accepted_by.map_or((None, None), |a| (Some(a.consumer_db), Some(a.position)));
+        let (by, position) = accepted_by.map_or((None, None), |(key, position)| (Some(key), Some(position)));
         let newly = held
             .get(
                 "UPDATE outbox SET attempts = attempts + 1, last_outcome = ?2, accepted = 1,
@@ -778,10 +825,10 @@ pub fn database_id(conn: &Connection) -> Result<String, StoreError> {
 pub const NOTHING_BEYOND: u64 = i64::MAX as u64;
 
 /// Of the probed `(position, event_id)` pairs, the rows still recorded as accepted by
-/// `consumer_db` at that position.
+/// the consumer database of `key` ([`consumer_key`]) at that position.
 fn still_recorded(
     conn: &Connection,
-    consumer_db: &str,
+    key: i64,
     pairs: &[(u64, String)],
 ) -> Result<Vec<ProbedRow>, StoreError> {
     let mut read = conn.prepare_cached(
@@ -792,7 +839,7 @@ fn still_recorded(
     for (position, event_id) in pairs {
         let Ok(position) = i64::try_from(*position) else { continue };
         let row = read
-            .query_row(params![event_id, consumer_db, position], |r| {
+            .query_row(params![event_id, key, position], |r| {
                 Ok(ProbedRow {
                     event_id: event_id.clone(),
                     flow_id: r.get(0)?,
@@ -807,10 +854,10 @@ fn still_recorded(
 }
 
 /// Inside a relay's transaction: marks the probed rows [`still_recorded`] found unaccepted
-/// again, each only while still recorded at its position by `consumer_db`.
+/// again, each only while still recorded at its position by the consumer database of `key`.
 fn unmark_probed(
     tx: &Transaction<'_>,
-    consumer_db: &str,
+    key: i64,
     probed: &[ProbedRow],
     unaccepted: &mut Unaccepted,
 ) -> Result<u64, StoreError> {
@@ -821,7 +868,7 @@ fn unmark_probed(
     )?;
     let mut changed = 0;
     for row in probed {
-        changed += unmark.execute(params![row.event_id, consumer_db, LOST_BY_CONSUMER])? as u64;
+        changed += unmark.execute(params![row.event_id, key, LOST_BY_CONSUMER])? as u64;
     }
     unaccepted.delta += changed as i64;
     Ok(changed)
@@ -830,12 +877,9 @@ fn unmark_probed(
 const LOST_WHERE: &str = "accepted = 1 AND accepted_by IS NOT NULL
      AND (accepted_by <> ?1 OR accepted_position > ?2)";
 
-/// What `consumer_db` at `highest_position` lacks of what the outbox recorded as accepted.
-pub fn lost_rows(
-    conn: &Connection,
-    consumer_db: &str,
-    highest_position: u64,
-) -> Result<LostRows, StoreError> {
+/// What the consumer database of `key` ([`consumer_key`]) at `highest_position` lacks of what
+/// the outbox recorded as accepted.
+pub fn lost_rows(conn: &Connection, key: i64, highest_position: u64) -> Result<LostRows, StoreError> {
     // Range reads of `outbox_accepted_by` only (the other databases' ids on either side of
     // this one, rows past the position, the last one), so a relay that checks an unchanged
     // consumer reads a few index entries, not the accepted history.
@@ -844,18 +888,18 @@ pub fn lost_rows(
             "SELECT (SELECT count(*) FROM outbox WHERE accepted = 1 AND accepted_by < ?1)
                   + (SELECT count(*) FROM outbox WHERE accepted = 1 AND accepted_by > ?1)",
         )?
-        .query_row([consumer_db], |r| r.get(0))?;
+        .query_row([key], |r| r.get(0))?;
     let beyond_history = conn
         .prepare_cached(
             "SELECT count(*) FROM outbox
              WHERE accepted = 1 AND accepted_by = ?1 AND accepted_position > ?2",
         )?
-        .query_row(params![consumer_db, highest_position], |r| r.get(0))?;
+        .query_row(params![key, highest_position], |r| r.get(0))?;
     let highest_recorded = conn
         .prepare_cached(
             "SELECT coalesce(max(accepted_position), 0) FROM outbox WHERE accepted = 1 AND accepted_by = ?1",
         )?
-        .query_row([consumer_db], |r| r.get(0))?;
+        .query_row([key], |r| r.get(0))?;
     if other_database + beyond_history == 0 {
         return Ok(LostRows { other_database, beyond_history, highest_recorded, ..LostRows::default() });
     }
@@ -863,14 +907,14 @@ pub fn lost_rows(
         .prepare_cached(&format!(
             "SELECT event_id FROM outbox WHERE {LOST_WHERE} ORDER BY flow_id, seq LIMIT 5"
         ))?
-        .query_map(params![consumer_db, highest_position], |r| r.get(0))?
+        .query_map(params![key, highest_position], |r| r.get(0))?
         .collect::<rusqlite::Result<_>>()?;
     let compacted = conn
         .prepare_cached(&format!(
             "SELECT count(*) FROM outbox WHERE {LOST_WHERE}
              AND NOT EXISTS (SELECT 1 FROM outbox_body WHERE outbox_body.id = outbox.id)"
         ))?
-        .query_row(params![consumer_db, highest_position], |r| r.get(0))?;
+        .query_row(params![key, highest_position], |r| r.get(0))?;
     let compacted_sample = if compacted == 0 {
         Vec::new()
     } else {
@@ -879,7 +923,7 @@ pub fn lost_rows(
              AND NOT EXISTS (SELECT 1 FROM outbox_body WHERE outbox_body.id = outbox.id)
              ORDER BY flow_id, seq LIMIT 5"
         ))?
-        .query_map(params![consumer_db, highest_position], |r| r.get(0))?
+        .query_map(params![key, highest_position], |r| r.get(0))?
         .collect::<rusqlite::Result<_>>()?
     };
     Ok(LostRows {
@@ -898,7 +942,7 @@ pub fn lost_rows(
 /// judges them lost again) and get the last outcome [`LOST_ACCEPTED`]. Returns how many.
 fn accept_compacted(
     tx: &Transaction<'_>,
-    consumer_db: &str,
+    key: i64,
     highest_position: u64,
     probed: &[ProbedRow],
 ) -> Result<u64, StoreError> {
@@ -908,13 +952,13 @@ fn accept_compacted(
              WHERE {LOST_WHERE}
                AND NOT EXISTS (SELECT 1 FROM outbox_body WHERE outbox_body.id = outbox.id)"
         ))?
-        .execute(params![consumer_db, highest_position, LOST_ACCEPTED])? as u64;
+        .execute(params![key, highest_position, LOST_ACCEPTED])? as u64;
     let mut accept = tx.prepare_cached(
         "UPDATE outbox SET accepted_by = NULL, accepted_position = NULL, last_outcome = ?3
          WHERE event_id = ?1 AND accepted = 1 AND accepted_by = ?2",
     )?;
     for row in probed.iter().filter(|r| r.compacted) {
-        changed += accept.execute(params![row.event_id, consumer_db, LOST_ACCEPTED])? as u64;
+        changed += accept.execute(params![row.event_id, key, LOST_ACCEPTED])? as u64;
     }
     Ok(changed)
 }
@@ -924,7 +968,7 @@ fn accept_compacted(
 /// still holds one. Returns how many rows changed.
 pub fn unmark_lost(
     tx: &Transaction<'_>,
-    consumer_db: &str,
+    key: i64,
     highest_position: u64,
     unaccepted: &mut Unaccepted,
 ) -> Result<u64, StoreError> {
@@ -934,7 +978,7 @@ pub fn unmark_lost(
                  accepted_position = NULL, last_outcome = ?3
              WHERE {LOST_WHERE}"
         ))?
-        .execute(params![consumer_db, highest_position, LOST_BY_CONSUMER])?;
+        .execute(params![key, highest_position, LOST_BY_CONSUMER])?;
     unaccepted.delta += changed as i64;
     Ok(changed as u64)
 }
@@ -1090,6 +1134,68 @@ mod tests {
     }
 
     #[test]
+    fn a_version_5_file_names_its_consumer_databases_by_key_and_keeps_every_mark() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.db");
+        let v5 = DbKind::producer(
+            5,
+            SCHEMA,
+            &[IDENTITY_SQL, PLAIN_CHECKS_SQL, COUNTER_WITHOUT_TRIGGERS_SQL, BODIES_APART_SQL],
+        );
+        let conn = db::open(&path, &v5, OpenMode::Create).unwrap();
+        conn.execute_batch(
+            "INSERT INTO flow(flow_id, seq, state, amount) VALUES ('A', 3, 'released', 3), ('B', 1, 'reserved', 1);
+             INSERT INTO outbox(id, event_id, flow_id, seq, kind, schema, committed_at_us, accepted, accepted_at_us,
+                                accepted_by, accepted_position)
+             VALUES (1, 'A1', 'A', 1, 'reserved', 1, 1, 1, 5, 'c2', 7),
+                    (2, 'A2', 'A', 2, 'confirmed', 1, 2, 1, 6, 'c1', 3),
+                    (3, 'A3', 'A', 3, 'released', 1, 3, 1, 6, NULL, NULL),
+                    (4, 'B1', 'B', 1, 'reserved', 1, 4, 0, NULL, NULL, NULL);
+             INSERT INTO outbox_body(id, body) VALUES (1, 'a1'), (2, 'a2'), (3, 'a3'), (4, 'b1');
+             UPDATE backlog SET unaccepted = 1;",
+        )
+        .unwrap();
+        drop(conn);
+        let mut conn = open(&path, OpenMode::Create).unwrap();
+        let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
+        assert_eq!(version, 6);
+        let marks: Vec<String> = conn
+            .prepare(
+                "SELECT event_id || ' ' || coalesce((SELECT database_id FROM consumer_database WHERE id = accepted_by), '-')
+                        || '@' || coalesce(accepted_position, '-') || ' ' || typeof(accepted_by)
+                 FROM outbox ORDER BY id",
+            )
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(marks, ["A1 c2@7 integer", "A2 c1@3 integer", "A3 -@- null", "B1 -@- null"]);
+        // The judgements read the keys: c1 restored to position 2 lost A2 and holds none of A1.
+        let c1 = consumer_key(&conn, "c1").unwrap();
+        let lost = lost_rows(&conn, c1, 2).unwrap();
+        assert_eq!((lost.other_database, lost.beyond_history, lost.highest_recorded), (1, 1, 3));
+        assert_eq!(lost_rows(&conn, consumer_key(&conn, "never").unwrap(), 0).unwrap().other_database, 2);
+        // A text id in the column is refused, not mixed in.
+        let refused = conn.execute("UPDATE outbox SET accepted_by = 'c1' WHERE event_id = 'A3'", []);
+        assert!(refused.is_err(), "{refused:?}");
+        // A new consumer database gets the next key; the index still serves the judgements.
+        let tx = db::begin_immediate(&mut conn).unwrap();
+        assert_eq!(recorded_consumer_key(&tx, "c3").unwrap(), 3);
+        assert_eq!(recorded_consumer_key(&tx, "c1").unwrap(), c1);
+        tx.commit().unwrap();
+        let plan: String = conn
+            .prepare("EXPLAIN QUERY PLAN SELECT count(*) FROM outbox WHERE accepted = 1 AND accepted_by = ?1 AND accepted_position > ?2")
+            .unwrap()
+            .query_map(params![c1, 0], |r| r.get::<_, String>(3))
+            .unwrap()
+            .collect::<Result<Vec<_>, _>>()
+            .unwrap()
+            .join("\n");
+        assert!(plan.contains("outbox_accepted_by"), "{plan}");
+    }
+
+    #[test]
     fn a_version_4_file_moves_its_bodies_apart_and_keeps_every_row() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("p.db");
@@ -1107,7 +1213,7 @@ mod tests {
         drop(conn);
         let mut conn = open(&path, OpenMode::Create).unwrap();
         let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
-        assert_eq!(version, 5);
+        assert_eq!(version, KIND.user_version as i64);
         let rows = flow_outbox(&conn, "A").unwrap();
         assert_eq!(rows.iter().map(|r| r.body.as_str()).collect::<Vec<_>>(), ["body-1", "body-2"]);
         assert!(rows.iter().all(|r| !r.compacted && r.body_sha256.is_none()));

@@ -286,9 +286,14 @@ async fn deliveries_are_recorded_and_only_holding_answers_mark() {
         outcome(&store, cmd("A1", 0, "reserved", 1, 3)).await;
         outcome(&store, cmd("A2", 1, "confirmed", 1, 3)).await;
         let where_ = async |id: &str| {
+            // SQLite names the consumer database by a key into `consumer_database`.
+            let by = match &place {
+                Place::Sqlite(_) => "(SELECT database_id FROM consumer_database c WHERE c.id = accepted_by)",
+                Place::Postgres(_) => "accepted_by",
+            };
             place
                 .text(&format!(
-                    "SELECT coalesce(accepted_by, '-') || '@' || coalesce(CAST(accepted_position AS TEXT), '-')
+                    "SELECT coalesce({by}, '-') || '@' || coalesce(CAST(accepted_position AS TEXT), '-')
                      FROM outbox WHERE event_id = '{id}'"
                 ))
                 .await
@@ -298,7 +303,10 @@ async fn deliveries_are_recorded_and_only_holding_answers_mark() {
         // A conflict counts a send and marks nothing; an unknown event id is no error.
         store
             .record_deliveries(
-                vec![accepted("A1", DeliveryAnswer::IdConflict, 4), accepted("nope", DeliveryAnswer::Accepted, 5)],
+                vec![
+                    accepted("A1", DeliveryAnswer::IdConflict, 4),
+                    accepted("nope", DeliveryAnswer::Accepted, 5),
+                ],
                 c1.clone(),
             )
             .await
@@ -307,7 +315,10 @@ async fn deliveries_are_recorded_and_only_holding_answers_mark() {
         assert_eq!(where_("A1").await, "-@-");
         store
             .record_deliveries(
-                vec![accepted("A1", DeliveryAnswer::Accepted, 7), accepted("A1", DeliveryAnswer::Duplicate, 0)],
+                vec![
+                    accepted("A1", DeliveryAnswer::Accepted, 7),
+                    accepted("A1", DeliveryAnswer::Duplicate, 0),
+                ],
                 c1.clone(),
             )
             .await
