@@ -1,15 +1,17 @@
 //! The PostgreSQL backend of the producer store: every PostgreSQL statement on the producer
-//! schema. `advance` runs in a writer task that owns one connection and puts each batch of
-//! queued calls in ONE transaction, each call's writes in its own savepoint, answering every
-//! call after the commit. Decisions are made on rows read inside that transaction after it
-//! locked the backlog row, and every write is a compare-and-set (the flow at the seq read,
-//! the event id and `(flow_id, seq)` unique), so a second producer on the same schema can
-//! only make a call decide again, never commit two events for one step.
+//! schema. `advance` runs in writer tasks ([`WRITERS`], each owning one connection) that put
+//! each batch of queued calls in ONE transaction, each call's writes in its own savepoint,
+//! answering every call after the commit. Decisions are made on rows read inside that
+//! transaction, the outbox cap on a count checked again when the counter is updated at commit
+//! ([`CapCheck`]), and every write is a compare-and-set (the flow at the seq read, the event
+//! id and `(flow_id, seq)` unique), so the other writer, or a second producer on the same
+//! schema, can only make a call decide again, never commit two events for one step.
 //!
 //! The backlog counter is kept by explicit statements in the same transactions (one update
 //! per transaction, not one per row as a trigger would), so the cap stays exact.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
 use std::time::Instant;
 
 use deadpool_postgres::ClientWrapper as Conn;
@@ -176,8 +178,27 @@ macro_rules! db_now_us {
     };
 }
 
-/// Connections of a server's pool: the writer's, and the rest for `GetFlow` and the metrics.
+/// Connections of a server's pool: the writers', and the rest for `GetFlow` and the metrics.
 const SERVER_POOL: usize = 8;
+
+/// Writer tasks taking batches from the one queue, each on its own connection, so one batch
+/// is read and written while the other commits (see [`CapCheck`] for how the cap stays exact
+/// without the backlog row locked for the whole transaction).
+const WRITERS: usize = 2;
+
+/// How a batch keeps the outbox cap exact.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum CapCheck {
+    /// The backlog row is read without a lock; when the whole batch fits under the cap by
+    /// that read, every call is decided without the cap and the counter's own update at
+    /// commit (`RETURNING` the count after every concurrent commit before it) checks that it
+    /// still fits, else the batch is rolled back and run again `Locked`. Batches of the two
+    /// writers and relay marks then wait for each other only at that update, not from BEGIN.
+    AtCommit,
+    /// The backlog row is locked first (`FOR UPDATE`), so each call is decided on the exact
+    /// count: near the cap, and after an `AtCommit` batch did not fit.
+    Locked,
+}
 /// Connections of a relay's pool (its reads and marks run one at a time).
 const RELAY_POOL: usize = 2;
 /// How often a transaction that lost a serialization race or a deadlock is run again.
@@ -232,7 +253,11 @@ impl PgStore {
                 tracing::info!(max_batch, ?max_unaccepted, "advance writer");
                 let max_batch = max_batch.max(1);
                 let (tx, rx) = mpsc::channel(max_batch.saturating_mul(4).clamp(64, 1 << 16));
-                tokio::spawn(run_writer(opened.pool.clone(), rx, crash, max_batch, max_unaccepted));
+                let queue = Arc::new(tokio::sync::Mutex::new(rx));
+                for _ in 0..WRITERS {
+                    let (pool, queue, crash) = (opened.pool.clone(), Arc::clone(&queue), crash);
+                    tokio::spawn(run_writer(pool, queue, crash, max_batch, max_unaccepted));
+                }
                 Some(tx)
             }
             Role::Relay => None,
@@ -1054,6 +1079,30 @@ async fn commit_with_backlog(client: &Conn, delta: i64) -> Result<(), StoreError
     Ok(())
 }
 
+/// An `Advance` batch's counter update and commit. With `cap` (a batch decided without it,
+/// see [`CapCheck::AtCommit`]) the update returns the count after every transaction that
+/// committed before it (it waits for their row lock, then reads the newest count), and a
+/// count over the cap rolls the batch back instead: `false`, nothing committed.
+async fn commit_within(client: &Conn, delta: i64, cap: Option<u64>) -> Result<bool, StoreError> {
+    let Some(cap) = cap else {
+        commit_with_backlog(client, delta).await?;
+        return Ok(true);
+    };
+    let stmt = client
+        .prepare_cached("UPDATE backlog SET unaccepted = unaccepted + $1 WHERE id = 1 RETURNING unaccepted")
+        .await?;
+    let params: Params<'_, 1> = [&delta];
+    let Some(row) = client.query_opt(&stmt, &params).await? else {
+        return Err(StoreError::Corrupt("the backlog row is missing (0 rows updated)".into()));
+    };
+    if unsigned(&row, 0, "backlog.unaccepted")? > cap {
+        client.batch_execute("ROLLBACK").await?;
+        return Ok(false);
+    }
+    client.batch_execute("COMMIT").await?;
+    Ok(true)
+}
+
 /// Runs `work` (a whole transaction, from `BEGIN` to `COMMIT`) and runs it again when it
 /// lost a serialization race or a deadlock, up to [`SERIALIZATION_RETRIES`] times: safe,
 /// since nothing of a failed attempt committed and nothing was answered. After any failure
@@ -1187,19 +1236,25 @@ async fn read_event(client: &Conn, event_id: &str) -> Result<Option<OutboxRecord
 /// connection, answers each after the commit, until every sender is gone.
 async fn run_writer(
     pool: Pool,
-    mut queue: mpsc::Receiver<AdvanceJob>,
+    queue: Arc<tokio::sync::Mutex<mpsc::Receiver<AdvanceJob>>>,
     crash: CrashSwitch,
     max_batch: usize,
     max_unaccepted: Option<u64>,
 ) {
     let mut conn: Option<Object> = None;
-    while let Some(first) = queue.recv().await {
+    loop {
         let mut jobs = Vec::with_capacity(max_batch.min(1024));
-        jobs.push(first);
-        while jobs.len() < max_batch {
-            match queue.try_recv() {
-                Ok(job) => jobs.push(job),
-                Err(_) => break,
+        {
+            // The queue is this writer's while it waits for a first call and takes what else
+            // is queued; the other writer waits for the queue meanwhile.
+            let mut queue = queue.lock().await;
+            let Some(first) = queue.recv().await else { return };
+            jobs.push(first);
+            while jobs.len() < max_batch {
+                match queue.try_recv() {
+                    Ok(job) => jobs.push(job),
+                    Err(_) => break,
+                }
             }
         }
         let (cmds, replies): (Vec<_>, Vec<_>) = jobs.into_iter().map(|j| (j.cmd, j.reply)).unzip();
@@ -1225,6 +1280,7 @@ async fn advance_batch_on(
     max_unaccepted: Option<u64>,
 ) -> Vec<Result<AdvanceReply, StoreError>> {
     let mut attempt = 0;
+    let mut check = CapCheck::AtCommit;
     loop {
         let client = match conn {
             Some(client) => client,
@@ -1233,8 +1289,13 @@ async fn advance_batch_on(
                 Err(e) => return all_failed(cmds, pool_error(e).during("advance")),
             },
         };
-        match advance_batch(client, cmds, crash, max_unaccepted).await {
-            Ok(results) => return results,
+        match advance_batch(client, cmds, crash, max_unaccepted, check).await {
+            Ok(Some(results)) => return results,
+            Ok(None) => {
+                // The batch did not fit under the cap by the unlocked read or at commit:
+                // nothing of it committed; run it again deciding on the exact count.
+                check = CapCheck::Locked;
+            }
             Err(e) => {
                 if client.batch_execute("ROLLBACK").await.is_err() {
                     if let Some(broken) = conn.take() {
@@ -1274,8 +1335,14 @@ async fn advance_batch(
     cmds: &[AdvanceCommand],
     crash: &CrashSwitch,
     max_unaccepted: Option<u64>,
-) -> Result<Vec<Result<AdvanceReply, StoreError>>, StoreError> {
-    let lock = client.prepare_cached("SELECT unaccepted FROM backlog WHERE id = 1 FOR UPDATE").await?;
+    check: CapCheck,
+) -> Result<Option<Vec<Result<AdvanceReply, StoreError>>>, StoreError> {
+    let lock = client
+        .prepare_cached(match check {
+            CapCheck::AtCommit => "SELECT unaccepted FROM backlog WHERE id = 1",
+            CapCheck::Locked => "SELECT unaccepted FROM backlog WHERE id = 1 FOR UPDATE",
+        })
+        .await?;
     let flows_stmt =
         client.prepare_cached("SELECT flow_id, seq, state, amount FROM flow WHERE flow_id = ANY($1)").await?;
     let events_stmt = client
@@ -1300,6 +1367,18 @@ async fn advance_batch(
     );
     begun?;
     let mut unaccepted = unsigned(&locked?, 0, "backlog.unaccepted")?;
+    // `AtCommit`: decided without the cap when the whole batch fits by this read, the cap
+    // checked at commit; otherwise the batch runs `Locked`.
+    let (max_unaccepted, commit_cap) = match (check, max_unaccepted) {
+        (CapCheck::AtCommit, Some(cap)) if unaccepted.saturating_add(cmds.len() as u64) <= cap => {
+            (None, Some(cap))
+        }
+        (CapCheck::AtCommit, Some(_)) => {
+            client.batch_execute("ROLLBACK").await?;
+            return Ok(None);
+        }
+        (_, cap) => (cap, None),
+    };
     let mut flows: HashMap<String, FlowRecord> = HashMap::new();
     for row in flow_rows? {
         let flow_id: String = row.try_get(0).map_err(corrupt)?;
@@ -1319,11 +1398,13 @@ async fn advance_batch(
         {
             if written == 0 {
                 client.batch_execute("ROLLBACK").await?;
-                return Ok(results);
+                return Ok(Some(results));
             }
-            commit_with_backlog(client, written).await?;
+            if !commit_within(client, written, commit_cap).await? {
+                return Ok(None);
+            }
             crash.reach(CrashPoint::ProducerAfterCommit);
-            return Ok(results);
+            return Ok(Some(results));
         }
         // Some write failed or raced: everything of the fast path was rolled back; decide
         // the batch again call by call.
@@ -1379,11 +1460,13 @@ async fn advance_batch(
     if written == 0 {
         // Nothing was written: no commit, no crash point.
         client.batch_execute("ROLLBACK").await?;
-        return Ok(results);
+        return Ok(Some(results));
     }
-    commit_with_backlog(client, written).await?;
+    if !commit_within(client, written, commit_cap).await? {
+        return Ok(None);
+    }
     crash.reach(CrashPoint::ProducerAfterCommit);
-    Ok(results)
+    Ok(Some(results))
 }
 
 /// The fast path of a batch: every call decided in queue order on what the batch read (each

@@ -225,6 +225,65 @@ fn accepted(event_id: &str, answer: DeliveryAnswer, position: u64) -> Recorded {
     Recorded { event_id: event_id.into(), answer, position, fence: None }
 }
 
+/// Two producers on one database, many calls at once against a cap: exactly the cap's worth
+/// commit, every other call is refused, and the counter says so. On PostgreSQL each batch is
+/// decided without locking the counter and checked when it commits; a batch that no longer
+/// fits then is rolled back and decided again on the exact count.
+#[tokio::test]
+async fn concurrent_producers_fill_the_cap_exactly() {
+    on_both("producer_store_cap_race", |place| async move {
+        let (a, b) = (place.open(Some(25)).await, place.open(Some(25)).await);
+        let calls = (0..80).map(|i| {
+            let store = if i % 2 == 0 { &a } else { &b };
+            let c = cmd_on(&format!("F{i}"), &format!("F{i}-1"), 0, "reserved", 1, 3);
+            async move { store.advance(c).await.unwrap().outcome }
+        });
+        let got = futures::future::join_all(calls).await;
+        let committed = got.iter().filter(|o| **o == AdvanceOutcome::Committed).count();
+        assert_eq!(committed, 25, "{got:?}");
+        let refused = got.iter().filter(|o| matches!(o, AdvanceOutcome::OutboxFull { .. })).count();
+        assert_eq!(refused, 55, "{got:?}");
+        assert_eq!(backlog(&a).await.unaccepted, 25, "{}", a.backend());
+        assert_eq!(a.unaccepted_after((String::new(), 0), 100).await.unwrap().len(), 25);
+    })
+    .await;
+}
+
+/// PostgreSQL: a batch decided without the counter locked (it fit by its read) whose commit
+/// finds that another transaction committed first and filled the outbox is rolled back and
+/// decided again on the exact count: refused, nothing written.
+#[tokio::test]
+async fn a_batch_that_no_longer_fits_at_commit_is_decided_again() {
+    let Some(db) = TestDb::create("producer_store_cap_at_commit") else { return };
+    let place = Place::Postgres(db);
+    let store = place.open(Some(3)).await;
+    assert_eq!(outcome(&store, cmd("A1", 0, "reserved", 1, 3)).await, AdvanceOutcome::Committed);
+    let Place::Postgres(db) = &place else { unreachable!() };
+    // Another writer (a second producer, say) holds two more rows' worth, uncommitted.
+    let other = pg_client(db).await;
+    other.batch_execute("BEGIN; UPDATE backlog SET unaccepted = unaccepted + 2 WHERE id = 1").await.unwrap();
+    let call = tokio::spawn({
+        let store = store.clone();
+        async move { store.advance(cmd_on("B", "B1", 0, "reserved", 1, 3)).await.unwrap().outcome }
+    });
+    // The call read 1 (it fits: 1 + 1 <= 3), wrote, and waits at the counter's update.
+    let watcher = pg_client(db).await;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let waiting: i64 =
+            watcher.query_one("SELECT count(*) FROM pg_locks WHERE NOT granted", &[]).await.unwrap().get(0);
+        if waiting > 0 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the call never waited for the counter");
+        tokio::task::yield_now().await;
+    }
+    other.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(call.await.unwrap(), AdvanceOutcome::OutboxFull { unaccepted: 3 });
+    assert_eq!(backlog(&store).await.unaccepted, 3);
+    assert_eq!(store.flow("B".into()).await.unwrap().0.seq, 0, "nothing of the refused call stays");
+}
+
 #[tokio::test]
 async fn a_full_outbox_refuses_new_steps_but_still_answers_retries() {
     on_both("producer_store_cap", |place| async move {
