@@ -1194,17 +1194,18 @@ macro_rules! inbox_columns {
     };
 }
 
+/// The row at one (flow_id, seq) (ListStuck's lowest unapplied row). The body is read by a
+/// scalar subquery, not a `LEFT JOIN`: with the join SQLite re-prepared the statement at
+/// almost every run (its plan depended on the bound values), about 110k instructions per
+/// applied event (callgrind, bench).
+const INBOX_AT_SEQ_SQL: &str = concat!("SELECT ", inbox_columns!(), " WHERE i.flow_id = ?1 AND i.seq = ?2");
+
 /// The flow's first row at or after a seq, in one seek of the `(flow_id, seq)` key: the row
 /// to apply when it sits at exactly that seq, a gap when it sits later, nothing when the flow
 /// has no row there (every row after the projection is unapplied, so this finds what the
 /// partial index would, and an applied one is reported as the inconsistency it is). One
 /// statement where a row at the seq and then "a later unapplied one?" took two each time a
-/// flow's steps ran out. The body is read by a scalar subquery, not a `LEFT JOIN`: with the
-/// join SQLite re-prepared the statement at almost every run (its plan depended on the bound
-/// values), about 110k instructions per applied event (callgrind, bench).
-/// The row at one (flow_id, seq) (ListStuck's lowest unapplied row).
-const INBOX_AT_SEQ_SQL: &str = concat!("SELECT ", inbox_columns!(), " WHERE i.flow_id = ?1 AND i.seq = ?2");
-
+/// flow's steps ran out.
 const INBOX_FROM_SEQ_SQL: &str =
     concat!("SELECT ", inbox_columns!(), " WHERE i.flow_id = ?1 AND i.seq >= ?2 ORDER BY i.seq LIMIT 1");
 
