@@ -181,6 +181,13 @@ macro_rules! db_now_us {
 /// Connections of a server's pool: the writers', and the rest for `GetFlow` and the metrics.
 const SERVER_POOL: usize = 8;
 
+/// Connections of a relay's pool (its reads and marks run one at a time).
+const RELAY_POOL: usize = 2;
+/// How often a transaction that lost a serialization race or a deadlock is run again.
+const SERIALIZATION_RETRIES: u32 = 3;
+/// How often one call is decided again after a concurrent writer changed what it read.
+const RACE_RETRIES: u32 = 3;
+
 /// Writer tasks taking batches from the one queue, each on its own connection, so one batch
 /// is read and written while the other commits (see [`CapCheck`] for how the cap stays exact
 /// without the backlog row locked for the whole transaction).
@@ -199,12 +206,6 @@ enum CapCheck {
     /// count: near the cap, and after an `AtCommit` batch did not fit.
     Locked,
 }
-/// Connections of a relay's pool (its reads and marks run one at a time).
-const RELAY_POOL: usize = 2;
-/// How often a transaction that lost a serialization race or a deadlock is run again.
-const SERIALIZATION_RETRIES: u32 = 3;
-/// How often one call is decided again after a concurrent writer changed what it read.
-const RACE_RETRIES: u32 = 3;
 
 impl From<tokio_postgres::Error> for StoreError {
     /// Connection loss, serialization failure, deadlock, too many connections: retryable;

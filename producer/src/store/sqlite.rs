@@ -68,11 +68,17 @@ fn consumer_key(conn: &Connection, consumer_db: &str) -> Result<i64, StoreError>
         .unwrap_or(0))
 }
 
-/// Inside a write transaction: the key of a consumer database's id, recorded first if new.
+/// Inside a write transaction: the key of a consumer database's id, recorded first if new
+/// (a read in the common case: every mark transaction asks).
 fn recorded_consumer_key(tx: &Transaction<'_>, consumer_db: &str) -> Result<i64, StoreError> {
-    tx.prepare_cached("INSERT INTO consumer_database(database_id) VALUES (?1) ON CONFLICT DO NOTHING")?
-        .execute([consumer_db])?;
-    consumer_key(tx, consumer_db)
+    match consumer_key(tx, consumer_db)? {
+        0 => {
+            tx.prepare_cached("INSERT INTO consumer_database(database_id) VALUES (?1)")?
+                .execute([consumer_db])?;
+            Ok(tx.last_insert_rowid())
+        }
+        key => Ok(key),
+    }
 }
 
 /// Version 5 (retention): each outbox row gets a stable `id` (an `INTEGER PRIMARY KEY`, which
