@@ -18,6 +18,23 @@ fn open_ro(path: &Path) -> anyhow::Result<Connection> {
     Ok(conn)
 }
 
+/// The statement counting consumer.db's effects without a scan: their apply-order keys are
+/// dense (effects are never deleted or compacted), so the highest one counts them. Since
+/// schema 8 they are `effect_log`'s ids (`effect` is a view that joins the inbox, whose
+/// max would walk every effect); an older build's file (`--bin-dir`) has the table `effect`.
+pub fn effects_count_sql(consumer: &Connection) -> anyhow::Result<&'static str> {
+    let log: bool = consumer.query_row(
+        "SELECT count(*) > 0 FROM sqlite_schema WHERE type = 'table' AND name = 'effect_log'",
+        [],
+        |r| r.get(0),
+    )?;
+    Ok(if log {
+        "SELECT coalesce(max(id), 0) FROM effect_log"
+    } else {
+        "SELECT coalesce(max(rowid), 0) FROM effect"
+    })
+}
+
 /// Waits until `events` effects exist and no outbox row is unaccepted: the last event is
 /// applied and the relay recorded every answer. Polls short reads with a deadline.
 pub fn wait_until_applied(
@@ -31,10 +48,8 @@ pub fn wait_until_applied(
     let until = Instant::now() + deadline;
     let mut pause = Duration::from_millis(1);
     loop {
-        // rowids of `effect` are dense (rows are never deleted), so max(rowid) counts them
-        // without a scan.
-        let applied: u64 =
-            consumer.query_row("SELECT coalesce(max(rowid), 0) FROM effect", [], |r| r.get(0))?;
+        // Asked each time: the consumer may not have created its tables yet at the first poll.
+        let applied: u64 = consumer.query_row(effects_count_sql(&consumer)?, [], |r| r.get(0))?;
         // Counting the unaccepted rows costs more; it only matters once everything is applied.
         let unaccepted: Option<u64> = if applied >= events {
             Some(producer.query_row("SELECT count(*) FROM outbox WHERE accepted = 0", [], |r| r.get(0))?)

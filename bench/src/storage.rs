@@ -54,9 +54,7 @@ pub fn read(databases: &Databases, at: &str) -> anyhow::Result<Sizes> {
             let conn =
                 rusqlite::Connection::open_with_flags(consumer, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)?;
             conn.busy_timeout(Duration::from_secs(10))?;
-            // Effects are never compacted and their rowids are dense: max(rowid) counts them.
-            let applied: i64 =
-                conn.query_row("SELECT coalesce(max(rowid), 0) FROM effect", [], |r| r.get(0))?;
+            let applied: i64 = conn.query_row(crate::measure::effects_count_sql(&conn)?, [], |r| r.get(0))?;
             drop(conn);
             Ok(Sizes {
                 at: at.to_owned(),

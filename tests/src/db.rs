@@ -143,14 +143,14 @@ impl Session {
         }
     }
 
-    /// Every row `sql` returns, or none when `store`'s `table` does not exist yet (a database
+    /// Every row `sql` returns, or none when `store`'s `table` (or view) does not exist yet (a database
     /// whose server never started).
     fn rows(&self, store: Store, table: &str, sql: &str) -> Result<Vec<Row>, String> {
         match self {
             Session::Sqlite(conn) => {
                 let exists = conn
                     .query_row(
-                        "SELECT count(*) FROM sqlite_schema WHERE type='table' AND name=?1",
+                        "SELECT count(*) FROM sqlite_schema WHERE type IN ('table', 'view') AND name=?1",
                         [table],
                         |r| r.get::<_, i64>(0),
                     )
@@ -368,6 +368,23 @@ pub struct Trigger {
     pub when: Option<&'static str>,
     /// The error message.
     pub message: &'static str,
+    /// Where SQLite stores those rows when its table differs from PostgreSQL's (`table` and
+    /// `when` there): consumer.db's `effect` is a view over `effect_log` (schema 8).
+    pub sqlite: Option<SqliteRows>,
+}
+
+/// A trigger's table and condition on SQLite, when they differ from PostgreSQL's.
+#[derive(Clone, Copy, Debug)]
+pub struct SqliteRows {
+    /// The table whose inserts it rejects.
+    pub table: &'static str,
+    /// Which rows (a condition on `NEW`), or `None` for every row.
+    pub when: Option<&'static str>,
+}
+
+impl SqliteRows {
+    /// consumer.db's effects (`effect_log`), every row.
+    pub const EFFECTS: SqliteRows = SqliteRows { table: "effect_log", when: None };
 }
 
 impl Trigger {
@@ -376,7 +393,11 @@ impl Trigger {
         let Trigger { name, table, message, .. } = *self;
         match target {
             Target::Sqlite(_) => {
-                let when = self.when.map(|w| format!(" WHEN {w}")).unwrap_or_default();
+                let (table, when) = match self.sqlite {
+                    Some(rows) => (rows.table, rows.when),
+                    None => (table, self.when),
+                };
+                let when = when.map(|w| format!(" WHEN {w}")).unwrap_or_default();
                 format!(
                     "CREATE TRIGGER {name} BEFORE INSERT ON {table}{when} BEGIN SELECT RAISE(ABORT, '{message}'); END;"
                 )
@@ -902,6 +923,7 @@ mod tests {
             table: "effect",
             when: Some("NEW.flow_id = 'A'"),
             message: "rejected by the harness test",
+            sqlite: None,
         };
         trigger.install(&target);
         let err = insert_effect(&target, "A1", "A").expect_err("flow A is rejected");

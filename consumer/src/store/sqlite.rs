@@ -29,10 +29,10 @@ use crate::waiting::{WaitDelta, state_of};
 /// version 3: the state and reason checks without `IN` lists; version 4: the backlog counter
 /// kept by the store, not by triggers; version 5: the committed time beside each row and the
 /// blocked rows counted by reason; version 6: bodies in their own table, tombstones;
-/// version 7: the gap and ready flows counted; a new file gets version 1's schema and then
-/// every upgrade).
+/// version 7: the gap and ready flows counted; version 8: effects keyed by their inbox row's
+/// position; a new file gets version 1's schema and then every upgrade).
 pub const KIND: DbKind = DbKind::consumer(
-    7,
+    8,
     SCHEMA,
     &[
         IDENTITY_SQL,
@@ -41,8 +41,37 @@ pub const KIND: DbKind = DbKind::consumer(
         COMMITTED_AT_AND_BLOCKED_SQL,
         BODIES_APART_SQL,
         GAP_AND_READY_SQL,
+        EFFECTS_BY_POSITION_SQL,
     ],
 );
+
+/// Version 8 (issues 16 and 18): an effect is stored in `effect_log` as its inbox row's
+/// position (the inbox rowid, which compaction keeps with the tombstone) and what the step
+/// did (kind, held, time); its event id, flow id and seq are read from that inbox row. The
+/// old `effect` table kept the two text ids and seq again in the row and in two unique
+/// indexes, and checked its foreign key by a third text seek: each applied step wrote three
+/// b-tree entries keyed by text, about 11k instructions per event in the consumer and ~70 of
+/// the ~90 bytes an effect kept (`dbstat`). One effect per event and per (flow, seq) is the
+/// position's uniqueness together with the inbox's own keys; the rowid is still apply order.
+/// `effect` becomes a view with the old columns (its `rowid` column is the apply order), so
+/// every reader of the old table reads the same rows. The rows are copied once, in apply
+/// order; a foreign key made every old effect's event id an inbox row's.
+const EFFECTS_BY_POSITION_SQL: &str = "
+CREATE TABLE effect_log(
+    id INTEGER PRIMARY KEY,
+    position INTEGER NOT NULL UNIQUE,
+    kind TEXT NOT NULL,
+    held INTEGER NOT NULL,
+    applied_at_us INTEGER NOT NULL
+);
+INSERT INTO effect_log(id, position, kind, held, applied_at_us)
+SELECT e.rowid, i.rowid, e.kind, e.held, e.applied_at_us
+FROM effect e JOIN inbox i ON i.event_id = e.event_id ORDER BY e.rowid;
+DROP TABLE effect;
+CREATE VIEW effect(rowid, event_id, flow_id, seq, kind, held, applied_at_us) AS
+SELECT e.id, i.event_id, i.flow_id, i.seq, e.kind, e.held, e.applied_at_us
+FROM effect_log e JOIN inbox i ON i.rowid = e.position;
+";
 
 /// Version 7: `backlog` counts the flows waiting at a gap (unapplied rows, the next seq not
 /// stored) and the ready ones (the next seq stored and pending), kept exact by the store in
@@ -1349,11 +1378,8 @@ fn apply_step_with(
         return Ok(StepOutcome::Raced);
     }
     crash.reach(CrashPoint::ConsumerApplyAfterProjection);
-    held.get(
-        "INSERT INTO effect(event_id, flow_id, seq, kind, held, applied_at_us)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-    )?
-    .execute(params![row.event_id, row.flow_id, row.seq, kind.as_str(), after.held, now_us])?;
+    held.get("INSERT INTO effect_log(position, kind, held, applied_at_us) VALUES (?1, ?2, ?3, ?4)")?
+        .execute(params![position, kind.as_str(), after.held, now_us])?;
     let marked = held
         .get(
             "UPDATE inbox SET state = 'applied', reason = NULL, applied_at_us = ?2
@@ -1751,6 +1777,69 @@ mod tests {
         );
     }
 
+    /// A version 7 file's effects move to `effect_log` keyed by their inbox rows' positions,
+    /// in the same apply order (here not the receive order), and `effect` reads as before;
+    /// new steps append to the log, and a second effect for one inbox row is refused.
+    #[test]
+    fn a_version_7_file_keeps_its_effects_in_apply_order_keyed_by_position() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.db");
+        let v7 = DbKind::consumer(7, SCHEMA, KIND.upgrades.split_at(6).0);
+        let mut conn = db::open(&path, &v7, db::OpenMode::Create).unwrap();
+        // Received B1, A2, A1; applied B1, A1, A2 (the effects' rowids).
+        for (flow, seq) in [("B", 1), ("A", 2), ("A", 1)] {
+            assert_eq!(receive(&mut conn, &reference(flow, seq)), ReceiveOutcome::Accepted);
+        }
+        // Applied as a version 7 build did: effect rows with the ids, in apply order.
+        conn.execute_batch(
+            "INSERT INTO effect(event_id, flow_id, seq, kind, held, applied_at_us) VALUES
+                 ('B1', 'B', 1, 'reserved', 3, 1), ('A1', 'A', 1, 'reserved', 3, 2),
+                 ('A2', 'A', 2, 'confirmed', 3, 3);
+             UPDATE inbox SET state = 'applied', applied_at_us = 3;
+             INSERT INTO projection(flow_id, last_seq, state, held, amount) VALUES
+                 ('B', 1, 'reserved', 3, 3), ('A', 2, 'confirmed', 3, 3);
+             UPDATE backlog SET unapplied = 0, gap_flows = 0, ready_flows = 0;",
+        )
+        .unwrap();
+        let before: Vec<(i64, String, String, i64, String, i64)> = conn
+            .prepare("SELECT rowid, event_id, flow_id, seq, kind, held FROM effect ORDER BY rowid")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?)))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        assert_eq!(before.iter().map(|e| e.1.as_str()).collect::<Vec<_>>(), ["B1", "A1", "A2"]);
+        drop(conn);
+        let mut conn = open(&path).unwrap();
+        let after: Vec<(i64, String, String, i64, String, i64)> = conn
+            .prepare("SELECT rowid, event_id, flow_id, seq, kind, held FROM effect ORDER BY rowid")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?)))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        assert_eq!(after, before);
+        let positions: Vec<(i64, i64)> = conn
+            .prepare("SELECT id, position FROM effect_log ORDER BY id")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        assert_eq!(positions, [(1, 1), (2, 3), (3, 2)]);
+        assert_eq!(flow_effects(&conn, "A").unwrap().iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2]);
+        assert_eq!(receive(&mut conn, &reference("A", 3)), ReceiveOutcome::Accepted);
+        assert_eq!(step(&mut conn, "A"), Some(StepOutcome::Applied));
+        assert_eq!(flow_effects(&conn, "A").unwrap().iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3]);
+        let twice = conn
+            .execute(
+                "INSERT INTO effect_log(position, kind, held, applied_at_us) VALUES (1, 'reserved', 3, 1)",
+                [],
+            )
+            .unwrap_err();
+        assert!(twice.to_string().contains("UNIQUE"), "{twice}");
+    }
+
     #[test]
     fn a_version_2_file_is_upgraded_and_no_step_builds_a_temporary_btree() {
         let dir = tempfile::tempdir().unwrap();
@@ -1932,7 +2021,7 @@ mod tests {
         let mut conn = open(&dir.path().join("c.db")).unwrap();
         receive(&mut conn, &reference("A", 1));
         conn.execute_batch(
-            "CREATE TRIGGER no_effects BEFORE INSERT ON effect BEGIN SELECT RAISE(ABORT, 'effects frozen'); END;",
+            "CREATE TRIGGER no_effects BEFORE INSERT ON effect_log BEGIN SELECT RAISE(ABORT, 'effects frozen'); END;",
         )
         .unwrap();
         let from = projection(&conn, "A").unwrap();

@@ -319,7 +319,11 @@ async fn a_rejected_effect_insert_leaves_no_partial_state() {
         }
         store
             .exec(
-                &sqlite_reject("effect", "NEW.seq = 2", "effects frozen"),
+                &sqlite_reject(
+                    "effect_log",
+                    "(SELECT seq FROM inbox WHERE rowid = NEW.position) = 2",
+                    "effects frozen",
+                ),
                 &pg_reject("effect", "NEW.seq = 2", "effects frozen"),
             )
             .await;
@@ -541,7 +545,11 @@ async fn a_group_of_flows_ends_like_one_step_per_transaction() {
             receive(&store, event("V1", "V", 1, "reserved", 2, r#"{"units":3}"#)).await;
             store
                 .exec(
-                    &sqlite_reject("effect", "NEW.event_id = 'B2'", "effect B2 rejected"),
+                    &sqlite_reject(
+                        "effect_log",
+                        "(SELECT event_id FROM inbox WHERE rowid = NEW.position) = 'B2'",
+                        "effect B2 rejected",
+                    ),
                     &pg_reject("effect", "NEW.event_id = 'B2'", "effect B2 rejected"),
                 )
                 .await;

@@ -164,6 +164,10 @@ const REJECT_EFFECT_OF_A: db::Trigger = db::Trigger {
     table: "effect",
     when: Some("NEW.flow_id = 'A'"),
     message: "effect insert rejected by the test trigger",
+    sqlite: Some(db::SqliteRows {
+        table: "effect_log",
+        when: Some("(SELECT flow_id FROM inbox WHERE rowid = NEW.position) = 'A'"),
+    }),
 };
 
 /// A trigger that rejects the effect insert: Apply answers an error status, and projection,
