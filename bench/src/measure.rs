@@ -47,9 +47,10 @@ pub fn wait_until_applied(
     let producer = open_ro(producer_db)?;
     let until = Instant::now() + deadline;
     let mut pause = Duration::from_millis(1);
+    // The consumer created its tables when it opened the file, before it printed its address.
+    let count_effects = effects_count_sql(&consumer)?;
     loop {
-        // Asked each time: the consumer may not have created its tables yet at the first poll.
-        let applied: u64 = consumer.query_row(effects_count_sql(&consumer)?, [], |r| r.get(0))?;
+        let applied: u64 = consumer.query_row(count_effects, [], |r| r.get(0))?;
         // Counting the unaccepted rows costs more; it only matters once everything is applied.
         let unaccepted: Option<u64> = if applied >= events {
             Some(producer.query_row("SELECT count(*) FROM outbox WHERE accepted = 0", [], |r| r.get(0))?)

@@ -143,8 +143,8 @@ impl Session {
         }
     }
 
-    /// Every row `sql` returns, or none when `store`'s `table` (or view) does not exist yet (a database
-    /// whose server never started).
+    /// Every row `sql` returns, or none when `store`'s `table` (or view) does not exist yet (a
+    /// database whose server never started).
     fn rows(&self, store: Store, table: &str, sql: &str) -> Result<Vec<Row>, String> {
         match self {
             Session::Sqlite(conn) => {
