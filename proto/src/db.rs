@@ -5,6 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use rusqlite::config::DbConfig;
 use rusqlite::{Connection, OpenFlags, Transaction, TransactionBehavior};
 
 /// How long a connection waits for another writer before answering busy.
@@ -183,6 +184,13 @@ pub fn open(path: &Path, kind: &DbKind, mode: OpenMode) -> Result<Connection, Db
     // Every store statement stays prepared: a group-committed batch runs the same dozen or so
     // statements per step, and re-parsing them would cost more than the writes.
     conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
+    // Plans never depend on a bound value (the query planner stability guarantee). Without
+    // it, SQLite reads the value bound to `LIMIT ?` when it plans, and any new binding of it
+    // expires the statement: every relay page and compaction batch was prepared afresh,
+    // ~160k instructions each (`sqlite3Reprepare`: 4.5 % of the relay's instructions and
+    // 2 % of the consumer's, `bench --callgrind`). Our statements are written for one plan,
+    // which the plan tests check.
+    conn.set_db_config(DbConfig::SQLITE_DBCONFIG_ENABLE_QPSG, true).map_err(sqlite)?;
     // The identity is read before anything is set: WAL is a property of the file, and a
     // process must not change a file it is about to refuse. Reading a file that is not a
     // database at all fails here with SQLite's own "file is not a database".

@@ -683,9 +683,10 @@ fn flow_record_with(held: &mut Held<'_>, flow_id: &str) -> Result<FlowRecord, St
 /// The columns `outbox_from_row` reads, as a macro so the statements below are literals
 /// (built once at compile time, not formatted at every call).
 /// A row without an `outbox_body` row is a tombstone (its body compacted). The body is read
-/// by a scalar subquery, not a `LEFT JOIN`: SQLite re-prepares a join statement after every
-/// write transaction (about 110k instructions each time, once per `Advance` batch and per
-/// relay page; callgrind, bench), and never a single-table one.
+/// by a scalar subquery. It was chosen over a `LEFT JOIN` because the join's statements were
+/// seen re-prepared at every relay page; that turned out to be the page's `LIMIT ?` binding,
+/// which no statement triggers any more (`proto::db::open` sets the planner stability
+/// guarantee).
 macro_rules! outbox_columns {
     () => {
         "outbox.event_id, outbox.flow_id, outbox.seq, outbox.kind, outbox.schema,
@@ -1261,5 +1262,31 @@ mod tests {
         assert!(plan.contains("USING INDEX outbox_unaccepted"), "{plan}");
         assert!(!plan.contains("SCAN outbox\n") && !plan.ends_with("SCAN outbox"), "{plan}");
         assert!(!plan.contains("TEMP B-TREE"), "{plan}");
+    }
+
+    #[test]
+    fn the_relay_page_is_prepared_once_however_its_limit_is_bound() {
+        // A plan that depended on the value bound to `LIMIT ?` made SQLite prepare the page
+        // afresh at every call after a new binding (see `proto::db::open`).
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.db");
+        let mut producer = open(&path, OpenMode::Create).unwrap();
+        let relay = open(&path, OpenMode::Existing).unwrap();
+        for (round, limit) in [10, 3, 7].into_iter().enumerate() {
+            let flow = format!("F{round}");
+            let step = validate(&pb::AdvanceRequest {
+                flow_id: flow.clone(),
+                event_id: flow,
+                expected_seq: 0,
+                kind: "reserved".into(),
+                schema: 1,
+                amount: 3,
+            })
+            .unwrap();
+            assert_eq!(run(&mut producer, &step).outcome, super::super::AdvanceOutcome::Committed);
+            assert_eq!(unaccepted_after(&relay, ("", 0), limit).unwrap().len(), (round + 1).min(limit));
+        }
+        let page = relay.prepare_cached(UNACCEPTED_PAGE_SQL).unwrap();
+        assert_eq!(page.get_status(rusqlite::StatementStatus::RePrepare), 0);
     }
 }
