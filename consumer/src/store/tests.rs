@@ -308,6 +308,70 @@ async fn blocked_rows_wait_for_the_v2_decoder_and_keep_their_bodies() {
     }
 }
 
+/// A flow named twice in one call, with rows past its last valid step, and a flow with a
+/// gap: each run of a flow finds what the one before left (the rows an apply transaction
+/// reads ahead are not carried from one run to the next), whatever the batch size.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_flow_named_twice_finds_what_its_first_run_left() {
+    for max_batch in [1, 2, 256] {
+        for (store, _keep) in stores(&format!("c_apply_twice_{max_batch}")).await {
+            let b = store.backend();
+            for seq in 1..=3 {
+                receive(&store, reference("D", seq)).await;
+            }
+            receive(&store, event("D4", "D", 4, "released", 1, V1)).await;
+            receive(&store, event("D5", "D", 5, "released", 1, V1)).await;
+            receive(&store, reference("E", 1)).await;
+            receive(&store, reference("E", 3)).await;
+            let opts = ApplyOptions { max_batch, ..ApplyOptions::default() };
+            let flows = ["D", "E", "D", "E"].map(str::to_owned).to_vec();
+            let runs: Vec<String> = store
+                .apply_flows(flows, 1000, opts)
+                .await
+                .into_iter()
+                .map(|r| {
+                    let report = r.outcome.unwrap();
+                    format!("{} {:?} {:?}", r.flow_id, report.applied, report.stop)
+                })
+                .collect();
+            let blocked_d4 = |run: &str| run.contains("D4") && run.contains("InvalidTransition");
+            assert!(
+                runs[0].starts_with(r#"D ["D1", "D2", "D3"] Blocked"#) && blocked_d4(&runs[0]),
+                "{b}: {runs:?}"
+            );
+            assert_eq!(runs[1], r#"E ["E1"] Gap { waiting_for_seq: 2 }"#, "{b}: {runs:?}");
+            assert!(runs[2].starts_with("D [] Blocked") && blocked_d4(&runs[2]), "{b}: {runs:?}");
+            assert_eq!(runs[3], "E [] Gap { waiting_for_seq: 2 }", "{b}: {runs:?}");
+            let d = store.flow("D".into()).await.unwrap();
+            assert_eq!(d.projection.last_seq, 3, "{b}");
+            let states: Vec<(u64, InboxState)> = d.inbox.iter().map(|r| (r.seq, r.state)).collect();
+            assert_eq!(
+                states,
+                [
+                    (1, InboxState::Applied),
+                    (2, InboxState::Applied),
+                    (3, InboxState::Applied),
+                    (4, InboxState::Blocked),
+                    (5, InboxState::Pending)
+                ],
+                "{b}"
+            );
+            assert_eq!(store.flow("E".into()).await.unwrap().projection.last_seq, 1, "{b}");
+            // One step per run: each run stops at its limit with the flow's next row read.
+            for seq in 1..=3 {
+                receive(&store, reference("F", seq)).await;
+            }
+            let runs: Vec<String> = store
+                .apply_flows(vec!["F".to_owned(); 4], 1, opts)
+                .await
+                .into_iter()
+                .map(|r| format!("{:?}", r.outcome.unwrap().applied))
+                .collect();
+            assert_eq!(runs, [r#"["F1"]"#, r#"["F2"]"#, r#"["F3"]"#, "[]"], "{b}");
+        }
+    }
+}
+
 /// A trigger that rejects the effect insert leaves no partial state: the projection write
 /// of the same step rolls back with it, and the call reports the storage failure.
 #[tokio::test(flavor = "multi_thread")]
