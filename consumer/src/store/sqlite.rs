@@ -32,7 +32,7 @@ use crate::waiting::{WaitDelta, state_of};
 /// version 7: the gap and ready flows counted; version 8: effects keyed by their inbox row's
 /// position; a new file gets version 1's schema and then every upgrade).
 pub const KIND: DbKind = DbKind::consumer(
-    8,
+    9,
     SCHEMA,
     &[
         IDENTITY_SQL,
@@ -42,8 +42,27 @@ pub const KIND: DbKind = DbKind::consumer(
         BODIES_APART_SQL,
         GAP_AND_READY_SQL,
         EFFECTS_BY_POSITION_SQL,
+        PROJECTION_BY_FLOW_SQL,
     ],
 );
+
+/// Version 9 (issues 16 and 18): `projection` is a `WITHOUT ROWID` table, stored in the
+/// b-tree of its `flow_id` key. As a rowid table it kept each flow id twice (in the row and in
+/// the key's index) and every read or write of a flow's projection took two seeks, one of
+/// them by text. The rows are copied once; nothing refers to a projection's rowid.
+const PROJECTION_BY_FLOW_SQL: &str = "
+CREATE TABLE projection_v9(
+    flow_id TEXT PRIMARY KEY,
+    last_seq INTEGER NOT NULL CHECK(last_seq >= 1),
+    state TEXT NOT NULL CHECK(state = 'reserved' OR state = 'confirmed' OR state = 'released'),
+    held INTEGER NOT NULL,
+    amount INTEGER NOT NULL CHECK(amount >= 1)
+) WITHOUT ROWID;
+INSERT INTO projection_v9(flow_id, last_seq, state, held, amount)
+SELECT flow_id, last_seq, state, held, amount FROM projection;
+DROP TABLE projection;
+ALTER TABLE projection_v9 RENAME TO projection;
+";
 
 /// Version 8 (issues 16 and 18): an effect is stored in `effect_log` as its inbox row's
 /// position (the inbox rowid, which compaction keeps with the tombstone) and what the step
@@ -1911,6 +1930,48 @@ mod tests {
             )
             .unwrap_err();
         assert!(twice.to_string().contains("UNIQUE"), "{twice}");
+    }
+
+    #[test]
+    fn a_version_8_file_keeps_its_projections_in_a_table_keyed_by_flow() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.db");
+        let v8 = DbKind::consumer(8, SCHEMA, KIND.upgrades.split_at(7).0);
+        let mut conn = db::open(&path, &v8, db::OpenMode::Create).unwrap();
+        for (flow, seq) in [("B", 1), ("A", 1), ("A", 2)] {
+            assert_eq!(receive(&mut conn, &reference(flow, seq)), ReceiveOutcome::Accepted);
+        }
+        for flow in ["B", "A", "A"] {
+            assert_eq!(step(&mut conn, flow), Some(StepOutcome::Applied));
+        }
+        type ProjectionRow = (String, i64, String, i64, i64);
+        let projections = |conn: &Connection| -> Vec<ProjectionRow> {
+            conn.prepare("SELECT flow_id, last_seq, state, held, amount FROM projection ORDER BY flow_id")
+                .unwrap()
+                .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)))
+                .unwrap()
+                .collect::<rusqlite::Result<_>>()
+                .unwrap()
+        };
+        let before = projections(&conn);
+        assert_eq!(before.len(), 2);
+        let ddl = |conn: &Connection| -> String {
+            conn.query_row("SELECT sql FROM sqlite_schema WHERE name = 'projection'", [], |r| r.get(0))
+                .unwrap()
+        };
+        assert!(!ddl(&conn).contains("WITHOUT ROWID"));
+        drop(conn);
+        let mut conn = open(&path).unwrap();
+        assert!(ddl(&conn).contains("WITHOUT ROWID"), "{}", ddl(&conn));
+        assert_eq!(projections(&conn), before);
+        assert_eq!(receive(&mut conn, &reference("A", 3)), ReceiveOutcome::Accepted);
+        assert_eq!(step(&mut conn, "A"), Some(StepOutcome::Applied));
+        assert_eq!(projection(&conn, "A").unwrap().last_seq, 3);
+        assert_eq!(receive(&mut conn, &reference("C", 1)), ReceiveOutcome::Accepted);
+        assert_eq!(step(&mut conn, "C"), Some(StepOutcome::Applied));
+        assert_eq!(projections(&conn).len(), 3);
+        let check: String = conn.query_row("PRAGMA integrity_check", [], |r| r.get(0)).unwrap();
+        assert_eq!(check, "ok");
     }
 
     #[test]
