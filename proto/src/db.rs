@@ -275,7 +275,21 @@ fn upgradable(kind: &DbKind, version: i32) -> bool {
 
 /// Upgrades an older schema step by step in ONE `BEGIN IMMEDIATE` transaction (the version
 /// is read again under the write lock: another process may have upgraded it meanwhile).
+///
+/// Foreign keys are off during the upgrade and checked whole before it commits (SQLite's
+/// own procedure for rebuilding a table): a step may rebuild a table others refer to (drop it
+/// and rename its copy), which with the checks on would count every referring row as
+/// orphaned the moment the old table goes.
 fn upgrade_schema(conn: &mut Connection, path: &Path, kind: &DbKind) -> Result<(), DbError> {
+    let sqlite = |source| DbError::Sqlite { path: path.to_owned(), source };
+    // Only takes effect outside a transaction, hence here and not in it.
+    conn.pragma_update(None, "foreign_keys", "OFF").map_err(sqlite)?;
+    let upgraded = upgrade_steps(conn, path, kind);
+    conn.pragma_update(None, "foreign_keys", "ON").map_err(sqlite)?;
+    upgraded
+}
+
+fn upgrade_steps(conn: &mut Connection, path: &Path, kind: &DbKind) -> Result<(), DbError> {
     let sqlite = |source| DbError::Sqlite { path: path.to_owned(), source };
     let tx = begin_immediate(conn).map_err(sqlite)?;
     let (_, from) = identity(&tx).map_err(sqlite)?;
@@ -291,6 +305,20 @@ fn upgrade_schema(conn: &mut Connection, path: &Path, kind: &DbKind) -> Result<(
     let cookie: i64 = tx.query_row("PRAGMA schema_version", [], |r| r.get(0)).map_err(sqlite)?;
     tx.pragma_update(None, "schema_version", cookie + 1).map_err(sqlite)?;
     tx.pragma_update(None, "user_version", kind.user_version).map_err(sqlite)?;
+    let orphans: i64 =
+        tx.query_row("SELECT count(*) FROM pragma_foreign_key_check", [], |r| r.get(0)).map_err(sqlite)?;
+    if orphans > 0 {
+        // Dropping the transaction rolls every step back: the file stays as it was.
+        return Err(DbError::WrongKind {
+            path: path.to_owned(),
+            kind: kind.name,
+            what: format!(
+                "upgrading it to version {} would leave {orphans} rows whose foreign key names no row; \
+                 nothing was changed",
+                kind.user_version
+            ),
+        });
+    }
     tx.commit().map_err(sqlite)?;
     tracing::info!(path = %path.display(), kind = kind.name, from, to = kind.user_version, "upgraded database schema");
     Ok(())

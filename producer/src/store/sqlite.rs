@@ -26,12 +26,37 @@ use crate::request::AdvanceCommand;
 /// which consumer database accepted each row, at which position; version 3: the flow state
 /// check without an `IN` list; version 4: the backlog counter kept by the store, not by
 /// triggers; version 5: bodies in their own table, so compaction can drop them; version 6:
-/// consumer databases named by an integer key in each accepted row).
+/// consumer databases named by an integer key in each accepted row; version 7: `flow` stored
+/// in the b-tree of its key).
 pub const KIND: DbKind = DbKind::producer(
-    6,
+    7,
     SCHEMA,
-    &[IDENTITY_SQL, PLAIN_CHECKS_SQL, COUNTER_WITHOUT_TRIGGERS_SQL, BODIES_APART_SQL, CONSUMER_KEYS_SQL],
+    &[
+        IDENTITY_SQL,
+        PLAIN_CHECKS_SQL,
+        COUNTER_WITHOUT_TRIGGERS_SQL,
+        BODIES_APART_SQL,
+        CONSUMER_KEYS_SQL,
+        FLOW_BY_ID_SQL,
+    ],
 );
+
+/// Version 7 (issues 16 and 18): `flow` is a `WITHOUT ROWID` table, stored in the b-tree of
+/// its `flow_id` key. As a rowid table it kept each flow id twice (in the row and in the key's
+/// index), and every `Advance` took two seeks to read its flow and wrote two b-trees to step
+/// it. The rows are copied once; `outbox.flow_id` refers to the new table by name (the
+/// upgrade runs with foreign keys off and checks them all before it commits).
+const FLOW_BY_ID_SQL: &str = "
+CREATE TABLE flow_v7(
+    flow_id TEXT PRIMARY KEY,
+    seq INTEGER NOT NULL CHECK(seq >= 1),
+    state TEXT NOT NULL CHECK(state = 'reserved' OR state = 'confirmed' OR state = 'released'),
+    amount INTEGER NOT NULL CHECK(amount >= 1)
+) WITHOUT ROWID;
+INSERT INTO flow_v7(flow_id, seq, state, amount) SELECT flow_id, seq, state, amount FROM flow;
+DROP TABLE flow;
+ALTER TABLE flow_v7 RENAME TO flow;
+";
 
 /// Version 6: `outbox.accepted_by` holds the integer key of the consumer database in
 /// `consumer_database` instead of its 32-character id. Every accepted row kept that id twice
@@ -1164,8 +1189,8 @@ mod tests {
         .unwrap();
         drop(conn);
         let mut conn = open(&path, OpenMode::Create).unwrap();
-        let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
-        assert_eq!(version, 6);
+        let version: i32 = conn.query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
+        assert_eq!(version, KIND.user_version);
         let marks: Vec<String> = conn
             .prepare(
                 "SELECT event_id || ' ' || coalesce((SELECT database_id FROM consumer_database WHERE id = accepted_by), '-')
@@ -1200,6 +1225,98 @@ mod tests {
             .unwrap()
             .join("\n");
         assert!(plan.contains("outbox_accepted_by"), "{plan}");
+    }
+
+    /// A version 6 file as its build left it: flows A (two steps, the first accepted) and B.
+    fn version_6_file(path: &Path) -> Connection {
+        let v6 = DbKind::producer(6, SCHEMA, KIND.upgrades.split_at(5).0);
+        let conn = db::open(path, &v6, OpenMode::Create).unwrap();
+        conn.execute_batch(
+            "INSERT INTO flow(flow_id, seq, state, amount) VALUES ('A', 2, 'confirmed', 3), ('B', 1, 'reserved', 1);
+             INSERT INTO outbox(id, event_id, flow_id, seq, kind, schema, committed_at_us, accepted)
+             VALUES (1, 'A1', 'A', 1, 'reserved', 1, 1, 1), (2, 'A2', 'A', 2, 'confirmed', 1, 2, 0),
+                    (3, 'B1', 'B', 1, 'reserved', 1, 3, 0);
+             INSERT INTO outbox_body(id, body) VALUES (1, 'a1'), (2, 'a2'), (3, 'b1');
+             UPDATE backlog SET unaccepted = 2;",
+        )
+        .unwrap();
+        conn
+    }
+
+    fn flows(conn: &Connection) -> Vec<(String, u64, String, i64)> {
+        conn.prepare("SELECT flow_id, seq, state, amount FROM flow ORDER BY flow_id")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap()
+    }
+
+    #[test]
+    fn a_version_6_file_keeps_its_flows_in_a_table_keyed_by_flow() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.db");
+        let before = flows(&version_6_file(&path));
+        let mut conn = open(&path, OpenMode::Existing).unwrap();
+        let ddl: String =
+            conn.query_row("SELECT sql FROM sqlite_schema WHERE name = 'flow'", [], |r| r.get(0)).unwrap();
+        assert!(ddl.contains("WITHOUT ROWID"), "{ddl}");
+        assert_eq!(flows(&conn), before);
+        // The outbox still refers to it: a row of an unknown flow is refused.
+        let orphan = conn.execute(
+            "INSERT INTO outbox(event_id, flow_id, seq, kind, schema, committed_at_us) VALUES ('Z1', 'Z', 1, 'reserved', 1, 1)",
+            [],
+        );
+        assert!(orphan.unwrap_err().to_string().contains("FOREIGN KEY"));
+        let step = |event: &str, flow: &str, expected: u64, kind: &str| {
+            validate(&pb::AdvanceRequest {
+                flow_id: flow.into(),
+                event_id: event.into(),
+                expected_seq: expected,
+                kind: kind.into(),
+                schema: 1,
+                amount: 3,
+            })
+            .unwrap()
+        };
+        assert_eq!(
+            run(&mut conn, &step("A3", "A", 2, "released")).outcome,
+            super::super::AdvanceOutcome::Committed
+        );
+        assert_eq!(
+            run(&mut conn, &step("C1", "C", 0, "reserved")).outcome,
+            super::super::AdvanceOutcome::Committed
+        );
+        assert_eq!(
+            run(&mut conn, &step("A3", "A", 2, "released")).outcome,
+            super::super::AdvanceOutcome::Existing
+        );
+        assert_eq!(flows(&conn).iter().map(|f| f.1).collect::<Vec<_>>(), [3, 1, 1]);
+        assert_eq!(unaccepted_count(&conn).unwrap(), 4);
+        let check: String = conn.query_row("PRAGMA integrity_check", [], |r| r.get(0)).unwrap();
+        assert_eq!(check, "ok");
+    }
+
+    #[test]
+    fn an_upgrade_that_would_leave_orphans_is_refused_and_changes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.db");
+        let conn = version_6_file(&path);
+        // A row whose flow is gone, as only a hand edit with the checks off can leave.
+        conn.execute_batch("PRAGMA foreign_keys = OFF; DELETE FROM flow WHERE flow_id = 'B';").unwrap();
+        drop(conn);
+        let refused = open(&path, OpenMode::Existing).unwrap_err().to_string();
+        assert!(
+            refused.contains("1 rows whose foreign key names no row")
+                && refused.contains("nothing was changed"),
+            "{refused}"
+        );
+        let conn = Connection::open(&path).unwrap();
+        let version: i32 = conn.query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
+        assert_eq!(version, 6);
+        let ddl: String =
+            conn.query_row("SELECT sql FROM sqlite_schema WHERE name = 'flow'", [], |r| r.get(0)).unwrap();
+        assert!(!ddl.contains("WITHOUT ROWID"), "{ddl}");
     }
 
     #[test]
