@@ -708,10 +708,10 @@ fn flow_record_with(held: &mut Held<'_>, flow_id: &str) -> Result<FlowRecord, St
 /// The columns `outbox_from_row` reads, as a macro so the statements below are literals
 /// (built once at compile time, not formatted at every call).
 /// A row without an `outbox_body` row is a tombstone (its body compacted). The body is read
-/// by a scalar subquery. It was chosen over a `LEFT JOIN` because the join's statements were
-/// seen re-prepared at every relay page; that turned out to be the page's `LIMIT ?` binding,
-/// which no statement triggers any more (`proto::db::open` sets the planner stability
-/// guarantee).
+/// by a scalar subquery, chosen over a `LEFT JOIN` whose statements were seen re-prepared
+/// after every write transaction (~110k instructions each). The relay page's own re-prepares
+/// later turned out to be its `LIMIT ?` binding, which `proto::db::open` now stops (the
+/// planner stability guarantee); whether the join would now stay prepared was not checked.
 macro_rules! outbox_columns {
     () => {
         "outbox.event_id, outbox.flow_id, outbox.seq, outbox.kind, outbox.schema,
@@ -1064,6 +1064,19 @@ mod tests {
         .unwrap()
     }
 
+    /// A schema 1 step of `flow` with amount 3.
+    fn step_of(flow: &str, event: &str, expected: u64, kind: &str) -> AdvanceCommand {
+        validate(&pb::AdvanceRequest {
+            flow_id: flow.into(),
+            event_id: event.into(),
+            expected_seq: expected,
+            kind: kind.into(),
+            schema: 1,
+            amount: 3,
+        })
+        .unwrap()
+    }
+
     fn run(conn: &mut Connection, c: &AdvanceCommand) -> AdvanceReply {
         let tx = db::begin_immediate(conn).unwrap();
         let mut unaccepted = Unaccepted::new(None);
@@ -1268,27 +1281,16 @@ mod tests {
             [],
         );
         assert!(orphan.unwrap_err().to_string().contains("FOREIGN KEY"));
-        let step = |event: &str, flow: &str, expected: u64, kind: &str| {
-            validate(&pb::AdvanceRequest {
-                flow_id: flow.into(),
-                event_id: event.into(),
-                expected_seq: expected,
-                kind: kind.into(),
-                schema: 1,
-                amount: 3,
-            })
-            .unwrap()
-        };
         assert_eq!(
-            run(&mut conn, &step("A3", "A", 2, "released")).outcome,
+            run(&mut conn, &step_of("A", "A3", 2, "released")).outcome,
             super::super::AdvanceOutcome::Committed
         );
         assert_eq!(
-            run(&mut conn, &step("C1", "C", 0, "reserved")).outcome,
+            run(&mut conn, &step_of("C", "C1", 0, "reserved")).outcome,
             super::super::AdvanceOutcome::Committed
         );
         assert_eq!(
-            run(&mut conn, &step("A3", "A", 2, "released")).outcome,
+            run(&mut conn, &step_of("A", "A3", 2, "released")).outcome,
             super::super::AdvanceOutcome::Existing
         );
         assert_eq!(flows(&conn).iter().map(|f| f.1).collect::<Vec<_>>(), [3, 1, 1]);
@@ -1391,15 +1393,7 @@ mod tests {
         let relay = open(&path, OpenMode::Existing).unwrap();
         for (round, limit) in [10, 3, 7].into_iter().enumerate() {
             let flow = format!("F{round}");
-            let step = validate(&pb::AdvanceRequest {
-                flow_id: flow.clone(),
-                event_id: flow,
-                expected_seq: 0,
-                kind: "reserved".into(),
-                schema: 1,
-                amount: 3,
-            })
-            .unwrap();
+            let step = step_of(&flow, &flow, 0, "reserved");
             assert_eq!(run(&mut producer, &step).outcome, super::super::AdvanceOutcome::Committed);
             assert_eq!(unaccepted_after(&relay, ("", 0), limit).unwrap().len(), (round + 1).min(limit));
         }
