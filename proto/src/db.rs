@@ -129,6 +129,20 @@ pub enum DbError {
         /// The expected kind.
         kind: &'static str,
     },
+    /// Upgrading the file's schema would leave it inconsistent; it was left as it was.
+    #[error(
+        "{path}: the {kind} database cannot be upgraded to schema version {to}: {what}; nothing was changed"
+    )]
+    UpgradeRefused {
+        /// The file.
+        path: PathBuf,
+        /// The expected kind.
+        kind: &'static str,
+        /// The version the upgrade would have reached.
+        to: i32,
+        /// What would be wrong.
+        what: String,
+    },
     /// The file is missing but its `-wal`/`-shm` remain: it was deleted or moved.
     #[error(
         "{path}: missing, but {leftovers} of a {kind} database that was here remain: it was deleted or \
@@ -309,14 +323,11 @@ fn upgrade_steps(conn: &mut Connection, path: &Path, kind: &DbKind) -> Result<()
         tx.query_row("SELECT count(*) FROM pragma_foreign_key_check", [], |r| r.get(0)).map_err(sqlite)?;
     if orphans > 0 {
         // Dropping the transaction rolls every step back: the file stays as it was.
-        return Err(DbError::WrongKind {
+        return Err(DbError::UpgradeRefused {
             path: path.to_owned(),
             kind: kind.name,
-            what: format!(
-                "upgrading it to version {} would leave {orphans} rows whose foreign key names no row; \
-                 nothing was changed",
-                kind.user_version
-            ),
+            to: kind.user_version,
+            what: format!("it would leave {orphans} rows whose foreign key names no row"),
         });
     }
     tx.commit().map_err(sqlite)?;

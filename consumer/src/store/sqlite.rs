@@ -1305,22 +1305,21 @@ fn next_row_with(held: &mut Held<'_>, flow_id: &str, next_seq: u64) -> Result<(N
         .query_row(params![flow_id, next_seq], |r| Ok((raw_inbox(r)?, r.get::<_, i64>(10)?)))
         .optional()?;
     let Some((raw, position)) = found else { return Ok((Next::Idle, 0)) };
-    match applied_is_inconsistent(inbox_record(raw)?, flow_id, next_seq)? {
-        Next::Row(row) => Ok((Next::Row(row), position)),
-        other => Ok((other, 0)),
-    }
+    next_from(raw, position, flow_id, next_seq)
 }
 
-/// The flow's first stored row at or after `next_seq` as [`Next`]: every row there is
-/// unapplied, so an applied one is an inconsistency.
-fn applied_is_inconsistent(row: InboxRecord, flow_id: &str, next_seq: u64) -> Result<Next> {
+/// The flow's first stored row at or after `next_seq` (at `position`) as [`Next`] and the
+/// position of a row to apply (0 for a gap): every row there is unapplied, so an applied one
+/// is an inconsistency.
+fn next_from(raw: RawInbox, position: i64, flow_id: &str, next_seq: u64) -> Result<(Next, i64)> {
+    let row = inbox_record(raw)?;
     if row.state == InboxState::Applied {
         return Err(StoreError::Inconsistent(format!(
             "inbox {} (flow {flow_id}, seq {}) is applied but the projection is before it (next seq {next_seq})",
             row.event_id, row.seq
         )));
     }
-    Ok(if row.seq == next_seq { Next::Row(row) } else { Next::Gap })
+    Ok(if row.seq == next_seq { (Next::Row(row), position) } else { (Next::Gap, 0) })
 }
 
 /// The most rows of one flow [`Ahead`] reads in one statement: a flow has at most three
@@ -1365,13 +1364,11 @@ impl Ahead {
             self.complete = self.rows.len() < READ_AHEAD;
         }
         let Some((raw, position)) = self.rows.pop_front() else { return Ok((Next::Idle, 0)) };
-        match applied_is_inconsistent(inbox_record(raw)?, flow_id, next_seq)? {
-            Next::Row(row) => Ok((Next::Row(row), position)),
-            other => {
-                self.forget();
-                Ok((other, 0))
-            }
+        let next = next_from(raw, position, flow_id, next_seq);
+        if !matches!(next, Ok((Next::Row(_), _))) {
+            self.forget();
         }
+        next
     }
 
     /// Drops the rows read: the next read asks SQLite again.

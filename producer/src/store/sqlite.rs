@@ -1064,8 +1064,8 @@ mod tests {
         .unwrap()
     }
 
-    /// A schema 1 step of `flow` with amount 3.
-    fn step_of(flow: &str, event: &str, expected: u64, kind: &str) -> AdvanceCommand {
+    /// A schema 1 step of `flow` with amount 3 (also the writer's tests').
+    pub(super) fn step_of(flow: &str, event: &str, expected: u64, kind: &str) -> AdvanceCommand {
         validate(&pb::AdvanceRequest {
             flow_id: flow.into(),
             event_id: event.into(),

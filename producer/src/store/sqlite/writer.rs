@@ -120,23 +120,10 @@ fn advance_in_tx(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::request::validate;
     use crate::store::AdvanceOutcome;
     use crate::store::sqlite as store;
+    use crate::store::sqlite::tests::step_of as cmd;
     use proto::db::OpenMode;
-    use proto::pb;
-
-    fn cmd(flow: &str, event: &str, expected: u64, kind: &str) -> AdvanceCommand {
-        validate(&pb::AdvanceRequest {
-            flow_id: flow.into(),
-            event_id: event.into(),
-            expected_seq: expected,
-            kind: kind.into(),
-            schema: 1,
-            amount: 3,
-        })
-        .unwrap()
-    }
 
     fn outcome(r: &Result<AdvanceReply, StoreError>) -> Result<AdvanceOutcome, bool> {
         r.as_ref().map(|r| r.outcome.clone()).map_err(StoreError::is_retryable)
