@@ -56,6 +56,7 @@ pub async fn record(
             .map(|(i, a)| {
                 let recorded = Recorded {
                     event_id: a.row.event_id.clone(),
+                    row_id: a.row.row_id,
                     answer: a.answer,
                     position: a.position,
                     fence: a.fence.clone(),

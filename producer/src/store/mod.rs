@@ -76,6 +76,10 @@ pub struct OutboxRecord {
     /// the copy [`decide`] builds for a new row (the stamp is taken when it is written), so
     /// a `COMMITTED` answer carries none; nothing compares it.
     pub committed_at_us: Option<i64>,
+    /// The row's key in the SQLite outbox (`outbox.id`, never renumbered), with which a relay
+    /// marks it without searching the event id's index; `None` on PostgreSQL and in the copy
+    /// [`decide`] builds.
+    pub row_id: Option<i64>,
 }
 
 /// What `advance` decided.
@@ -193,6 +197,7 @@ pub fn decide(
         attempts: 0,
         last_outcome: None,
         committed_at_us: None,
+        row_id: None,
     };
     let flow = FlowRecord {
         seq: stored.seq,
@@ -293,6 +298,9 @@ pub struct AcceptedBy<'a> {
 pub struct Recorded {
     /// The row's event id.
     pub event_id: String,
+    /// The row's key where the backend has one ([`OutboxRecord::row_id`]): the mark finds
+    /// the row by it (and still checks the event id).
+    pub row_id: Option<i64>,
     /// The consumer's answer.
     pub answer: DeliveryAnswer,
     /// Where the consumer holds it (its inbox position; 0 when it did not say).

@@ -1216,6 +1216,7 @@ fn outbox_from_row(row: &Row, at: usize) -> Result<OutboxRecord, StoreError> {
         attempts: unsigned(row, at + 7, "outbox.attempts")?,
         last_outcome: row.try_get(at + 8).map_err(corrupt)?,
         committed_at_us: row.try_get(at + 9).map_err(corrupt)?,
+        row_id: None,
     })
 }
 

@@ -222,7 +222,7 @@ async fn a_trigger_rejecting_one_outbox_insert_fails_that_call_alone() {
 }
 
 fn accepted(event_id: &str, answer: DeliveryAnswer, position: u64) -> Recorded {
-    Recorded { event_id: event_id.into(), answer, position, fence: None }
+    Recorded { event_id: event_id.into(), row_id: None, answer, position, fence: None }
 }
 
 /// Two producers on one database, many calls at once against a cap: exactly the cap's worth

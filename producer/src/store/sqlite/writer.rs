@@ -92,7 +92,7 @@ fn advance_in_tx(
     let mut results = Vec::with_capacity(cmds.len());
     for (i, cmd) in cmds.iter().enumerate() {
         let step = db::in_step(&tx, steps, |tx| {
-            super::advance(tx, &mut held, cmd, crash, runtime::now_us(), &mut unaccepted)
+            super::advance(tx, &mut held, cmd, crash, runtime::now_us(), &mut unaccepted, steps)
         });
         match step {
             Ok(reply) => results.push(Ok(reply)),
@@ -158,6 +158,36 @@ mod tests {
         assert_eq!(store::flow_record(&conn, "A").unwrap().seq, 2);
         assert_eq!(store::flow_outbox(&conn, "A").unwrap().len(), 2);
         assert!(store::flow_outbox(&conn, "B").unwrap().is_empty());
+    }
+
+    /// A direct run does not look up the id of a call at its flow's expected seq; a taken id
+    /// is still answered by its history first, whether the step would write (the insert
+    /// fails, the batch runs again with savepoints) or not (an illegal step reads it).
+    #[test]
+    fn a_taken_id_at_the_expected_seq_is_answered_by_its_history() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut conn = store::open(&dir.path().join("p.db"), OpenMode::Create).unwrap();
+        advance_batch(&mut conn, &[cmd("A", "A1", 0, "reserved")], &CrashSwitch::default(), None);
+        let batch = [
+            cmd("B", "B1", 0, "reserved"),
+            cmd("C", "A1", 0, "reserved"),
+            cmd("D", "A1", 0, "released"),
+            cmd("E", "E1", 0, "released"),
+            cmd("B", "B2", 1, "confirmed"),
+        ];
+        let results = advance_batch(&mut conn, &batch, &CrashSwitch::default(), None);
+        let got: Vec<_> = results.iter().map(outcome).collect();
+        assert_eq!(
+            got[..3],
+            [Ok(AdvanceOutcome::Committed), Ok(AdvanceOutcome::Conflict), Ok(AdvanceOutcome::Conflict)]
+        );
+        assert!(matches!(got[3], Ok(AdvanceOutcome::InvalidTransition(_))), "{got:?}");
+        assert_eq!(got[4], Ok(AdvanceOutcome::Committed));
+        assert_eq!(store::flow_record(&conn, "B").unwrap().seq, 2);
+        for flow in ["C", "D", "E"] {
+            assert_eq!(store::flow_record(&conn, flow).unwrap().seq, 0, "{flow} moved");
+            assert!(store::flow_outbox(&conn, flow).unwrap().is_empty());
+        }
     }
 
     /// A batch with nothing to write leaves the file untouched (no commit at all).
