@@ -1025,9 +1025,21 @@ fn insert_pending_with(
         let position = held.conn().last_insert_rowid();
         held.get("INSERT INTO inbox_body(position, body) VALUES (?1, ?2)")?
             .execute(params![position, body])?;
-        let (last_seq, others_waiting): (u64, bool) = held
-            .get(RECEIVED_FACTS_SQL)?
-            .query_row(params![event.flow_id, event.seq], |r| Ok((r.get(0)?, r.get(1)?)))?;
+        // A relay sends a flow's rows one after another, so a batch often inserts several
+        // rows of one flow in a row. After the first, the facts are known without a read: a
+        // receive transaction applies nothing (the last applied seq stays), and the row just
+        // inserted before is unapplied at another seq (so others wait). ~5.6k instructions
+        // a row saved (callgrind, bench).
+        let (last_seq, others_waiting): (u64, bool) = match &mut counter.last_inserted {
+            Some((flow, last_seq)) if *flow == event.flow_id => (*last_seq, true),
+            last => {
+                let facts: (u64, bool) = held
+                    .get(RECEIVED_FACTS_SQL)?
+                    .query_row(params![event.flow_id, event.seq], |r| Ok((r.get(0)?, r.get(1)?)))?;
+                *last = Some((event.flow_id.clone(), facts.0));
+                facts
+            }
+        };
         counter.delta += 1;
         counter.waiting.add(WaitDelta::received(last_seq + 1, event.seq, others_waiting));
         return Ok(ReceiveOutcome::Accepted);
@@ -1133,6 +1145,10 @@ pub struct Unapplied {
     blocked: [i64; 3],
     /// Flows gained or lost by the gap and ready counts.
     waiting: WaitDelta,
+    /// The flow of the last row this transaction inserted, and its last applied seq then
+    /// (see [`insert_pending_with`]); only a receive transaction inserts, and it applies
+    /// nothing, so the seq stays true to the commit.
+    last_inserted: Option<(String, u64)>,
 }
 
 impl Unapplied {
