@@ -657,9 +657,10 @@ impl Unaccepted {
 /// a used one anyway (a seek saved per step, ~3.6k instructions). Such an insert fails, which
 /// abandons the direct run, and the run with savepoints reads the id's history first, so
 /// every answer is the one SPEC §5 gives. A call that turns out not to write reads it before
-/// it answers (the history decides first). The one visible difference: in the direct run, a
-/// call whose id turns out to be taken may reach `producer.after_flow_update` before its
-/// insert fails; nothing of that transaction commits.
+/// it answers (the history decides first). Such a call reaches `producer.after_flow_update`
+/// only once its outbox insert succeeded, right before `producer.after_outbox_insert`: a call
+/// answered by its history reaches no crash point, and a crash at either point leaves the
+/// same file (nothing of the transaction is committed).
 pub fn advance(
     tx: &Transaction<'_>,
     held: &mut Held<'_>,
@@ -700,7 +701,9 @@ pub fn advance(
                 )));
             }
         }
-        crash.reach(CrashPoint::ProducerAfterFlowUpdate);
+        if !unread {
+            crash.reach(CrashPoint::ProducerAfterFlowUpdate);
+        }
         held.get(
             "INSERT INTO outbox(event_id, flow_id, seq, kind, schema, committed_at_us)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
@@ -716,6 +719,11 @@ pub fn advance(
         held.get("INSERT INTO outbox_body(id, body) VALUES (last_insert_rowid(), ?1)")?
             .execute([&event.body])?;
         unaccepted.delta += 1;
+        if unread {
+            // Only now is the id known to be new: a call answered by its history reaches no
+            // crash point.
+            crash.reach(CrashPoint::ProducerAfterFlowUpdate);
+        }
         crash.reach(CrashPoint::ProducerAfterOutboxInsert);
     }
     Ok(decision.into_reply())

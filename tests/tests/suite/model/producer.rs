@@ -230,8 +230,19 @@ fn model_producer_flow(m: &model::Producer, flow: &str) -> ProducerView {
     (seq, model::state_name(seq).to_owned(), amount, rows)
 }
 
-/// Runs a case under namespace `ns`; the first difference from the model is the error.
+/// Runs a case under namespace `ns`; the first difference from the model is the error. A
+/// case that failed leaves no producer behind (it may have crashed where the model did not),
+/// so the next case (the shrinker's) starts a fresh one instead of failing to connect.
 async fn run_case(rig: &mut ProducerRig, case: &Case, ns: &str) -> Result<(), String> {
+    let result = run_ops(rig, case, ns).await;
+    if result.is_err() {
+        rig.client = None;
+        drop(rig.producer.take());
+    }
+    result
+}
+
+async fn run_ops(rig: &mut ProducerRig, case: &Case, ns: &str) -> Result<(), String> {
     if rig.producer.is_none() {
         rig.restart(None).await;
     }
