@@ -713,7 +713,7 @@ fn apply_flows(
             // A step failed in a direct run: nothing of it stays; the same flows run again
             // with a savepoint per step.
             drop(tx);
-            for run in &mut runs[first..=next] {
+            for run in runs.iter_mut().take(next + 1).skip(first) {
                 run.forget_pending();
                 run.wrote = false;
                 run.end = None;
@@ -759,8 +759,9 @@ struct Ran {
 }
 
 /// The steps of one transaction of [`apply_flows`], from flow `*next` on, up to
-/// `opts.max_batch` steps; `None` when a step failed in a `Direct` run (the caller rolls the
-/// transaction back and runs the same flows again with savepoints).
+/// `opts.max_batch` steps; `None` when a step, or a flow's held-back projection write (see
+/// [`HeldBack`]), failed in a `Direct` run (the caller rolls the transaction back and runs
+/// the same flows again with savepoints).
 fn apply_in_tx(
     tx: &Transaction<'_>,
     runs: &mut [FlowRun],
@@ -777,6 +778,8 @@ fn apply_in_tx(
     // The waiting state of the flow being applied, as first read in this transaction and now.
     let mut seen: Option<Seen> = None;
     let mut ahead = Ahead::default();
+    // In a direct run, the projection write of the flow being applied (see [`HeldBack`]).
+    let mut held_back: Option<HeldBack> = None;
     while *next < runs.len() && written < max_batch {
         let run = &mut runs[*next];
         let budget_left = run.committed.len() + run.pending.len() < max_steps as usize;
@@ -791,6 +794,7 @@ fn apply_in_tx(
             &mut ran.unapplied,
             &mut seen,
             &mut ahead,
+            &mut held_back,
         );
         let failed = match stepped {
             Ok(Progress::Applied { event_id, after, lag_us }) => {
@@ -817,7 +821,11 @@ fn apply_in_tx(
                 return Some(ran);
             }
         };
-        // The flow is done in this transaction: its change of the counters is final.
+        // The flow is done in this transaction: its projection is written, and its change
+        // of the counters is final.
+        if !write_held_back(&mut held, held_back.take()) {
+            return None;
+        }
         let closed = close_flow(&mut held, &run.flow_id, known[*next], &mut seen, &mut ran.unapplied);
         // A run that stopped may have taken its next row without applying it (its step
         // limit): the flow's next run in this call reads again.
@@ -833,6 +841,9 @@ fn apply_in_tx(
                 return Some(ran);
             }
         }
+    }
+    if !write_held_back(&mut held, held_back.take()) {
+        return None;
     }
     if let Some(run) = runs.get_mut(*next) {
         // The batch filled up inside this flow: it goes on in the next transaction.
@@ -898,6 +909,7 @@ fn step_in_tx(
     unapplied: &mut Unapplied,
     seen: &mut Option<Seen>,
     ahead: &mut Ahead,
+    held_back: &mut Option<HeldBack>,
 ) -> std::result::Result<Progress, StepFailure<StoreError>> {
     let from = match known {
         Some(projection) => projection,
@@ -946,8 +958,20 @@ fn step_in_tx(
         }
         Decision::Apply { kind, after } => {
             let now = runtime::now_us();
+            let held_back = (steps == Steps::Direct).then_some(held_back);
             let applied = db::in_step(tx, steps, |_| {
-                apply_step_with(held, &row, position, &from, kind, &after, &opts.crash, now, unapplied)
+                apply_step_with(
+                    held,
+                    &row,
+                    position,
+                    &from,
+                    kind,
+                    &after,
+                    &opts.crash,
+                    now,
+                    unapplied,
+                    held_back,
+                )
             })?;
             match applied {
                 StepOutcome::Applied => {
@@ -1428,30 +1452,30 @@ fn apply_step(
     unapplied: &mut Unapplied,
 ) -> Result<StepOutcome> {
     let position = inbox_position(tx, &row.event_id)?.and_then(|p| i64::try_from(p).ok()).unwrap_or(0);
-    apply_step_with(&mut Held::new(tx), row, position, from, kind, after, crash, now_us, unapplied)
+    apply_step_with(&mut Held::new(tx), row, position, from, kind, after, crash, now_us, unapplied, None)
 }
 
-/// Inside the caller's `BEGIN IMMEDIATE` transaction, with the batch's held statements, the
-/// applied step of SPEC §7: only if the stored projection is still `from` (checked by the
-/// guarded write itself, never trusting the caller's copy) updates it to `after`, inserts the effect and marks `row`
-/// applied (counted in `unapplied`). Any failure (a constraint, a trigger) is returned before
-/// commit, so the caller's rollback undoes all three. Crash points
-/// `consumer.apply.after_projection` and `.after_effect` sit inside.
-#[allow(clippy::too_many_arguments)]
-fn apply_step_with(
+/// A flow's projection write held back by the steps of a direct run (`Steps::Direct`): the
+/// projection as stored when the flow's first step in the transaction read it, and as its
+/// last applied step left it. The apply loop writes it once ([`write_held_back`]) when the
+/// flow's run in the transaction ends, instead of once per step (~7k instructions a write in
+/// the sqlite3 shell, most of it the b-tree update of a text-keyed row). The effects and inbox marks are
+/// written by every step as before; only this transaction's steps see the projection between
+/// them, and they take it from memory (`known`). With savepoints every step writes its own.
+struct HeldBack {
+    flow_id: String,
+    stored: Projection,
+    after: Projection,
+}
+
+/// Moves the stored projection of `flow_id` from `from` (no row: [`Projection::NEW`]) to
+/// `after`; false when it was not `from` (nothing written).
+fn write_projection(
     held: &mut Held<'_>,
-    row: &InboxRecord,
-    position: i64,
+    flow_id: &str,
     from: &Projection,
-    kind: Kind,
     after: &Projection,
-    crash: &CrashSwitch,
-    now_us: i64,
-    unapplied: &mut Unapplied,
-) -> Result<StepOutcome> {
-    if after.last_seq != row.seq {
-        return Ok(StepOutcome::Raced);
-    }
+) -> Result<bool> {
     // The write itself checks that the stored projection is still `from` (no row at all for
     // a new flow), so nothing is written when another applier moved it.
     let moved = if *from == Projection::NEW {
@@ -1460,7 +1484,7 @@ fn apply_step_with(
              ON CONFLICT(flow_id) DO NOTHING",
         )?
         .execute(params![
-            row.flow_id,
+            flow_id,
             after.last_seq,
             after.state.as_str(),
             after.held,
@@ -1472,7 +1496,7 @@ fn apply_step_with(
              WHERE flow_id = ?1 AND last_seq = ?6 AND state = ?7 AND held = ?8 AND amount = ?9",
         )?
         .execute(params![
-            row.flow_id,
+            flow_id,
             after.last_seq,
             after.state.as_str(),
             after.held,
@@ -1483,8 +1507,58 @@ fn apply_step_with(
             from.amount
         ])?
     };
-    if moved != 1 {
+    Ok(moved == 1)
+}
+
+/// Writes a held-back projection (see [`HeldBack`]); false when the stored one was not what
+/// the flow's first step read, or the write failed: the direct run must not commit.
+fn write_held_back(held: &mut Held<'_>, back: Option<HeldBack>) -> bool {
+    match back {
+        None => true,
+        Some(back) => matches!(write_projection(held, &back.flow_id, &back.stored, &back.after), Ok(true)),
+    }
+}
+
+/// Inside the caller's `BEGIN IMMEDIATE` transaction, with the batch's held statements, the
+/// applied step of SPEC §7: only if the stored projection is still `from` (checked by the
+/// guarded write itself, never trusting the caller's copy) updates it to `after`, inserts the effect and marks `row`
+/// applied (counted in `unapplied`). Any failure (a constraint, a trigger) is returned before
+/// commit, so the caller's rollback undoes all three. Crash points
+/// `consumer.apply.after_projection` and `.after_effect` sit inside.
+///
+/// With `held_back` (a direct run, see [`HeldBack`]) the projection is not written here: the
+/// step records `after` there and the apply loop writes the flow's last one, guarded by the
+/// projection its first step read, before the transaction can commit. A crash point between
+/// the two changes nothing anyone sees: nothing of the transaction is committed then.
+#[allow(clippy::too_many_arguments)]
+fn apply_step_with(
+    held: &mut Held<'_>,
+    row: &InboxRecord,
+    position: i64,
+    from: &Projection,
+    kind: Kind,
+    after: &Projection,
+    crash: &CrashSwitch,
+    now_us: i64,
+    unapplied: &mut Unapplied,
+    held_back: Option<&mut Option<HeldBack>>,
+) -> Result<StepOutcome> {
+    if after.last_seq != row.seq {
         return Ok(StepOutcome::Raced);
+    }
+    match held_back {
+        None => {
+            if !write_projection(held, &row.flow_id, from, after)? {
+                return Ok(StepOutcome::Raced);
+            }
+        }
+        Some(Some(back)) if back.flow_id == row.flow_id && back.after == *from => back.after = *after,
+        // Another flow's write still held back (the loop writes it before it moves on), or
+        // this flow's from another start: never written over.
+        Some(Some(_)) => return Ok(StepOutcome::Raced),
+        Some(slot @ None) => {
+            *slot = Some(HeldBack { flow_id: row.flow_id.clone(), stored: *from, after: *after });
+        }
     }
     crash.reach(CrashPoint::ConsumerApplyAfterProjection);
     held.get("INSERT INTO effect_log(position, kind, held, applied_at_us) VALUES (?1, ?2, ?3, ?4)")?

@@ -405,6 +405,65 @@ async fn a_rejected_effect_insert_leaves_no_partial_state() {
     }
 }
 
+/// A step whose projection write fails fails alone, also where a direct run holds a flow's
+/// projection write back to its last step (SQLite): the steps before it and the other flows
+/// of the group stay applied.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rejected_projection_write_fails_only_its_step() {
+    for (store, _keep) in stores("c_projection_trigger").await {
+        let b = store.backend();
+        for flow in ["A", "B", "C"] {
+            for seq in 1..=3 {
+                receive(&store, reference(flow, seq)).await;
+            }
+        }
+        store
+            .exec(
+                "CREATE TRIGGER frozen_insert BEFORE INSERT ON projection
+                     WHEN NEW.flow_id = 'B' AND NEW.last_seq = 3
+                 BEGIN SELECT RAISE(ABORT, 'projection frozen'); END;
+                 CREATE TRIGGER frozen_update BEFORE UPDATE ON projection
+                     WHEN NEW.flow_id = 'B' AND NEW.last_seq = 3
+                 BEGIN SELECT RAISE(ABORT, 'projection frozen'); END;",
+                "CREATE FUNCTION frozen() RETURNS trigger LANGUAGE plpgsql AS $$
+                 BEGIN RAISE EXCEPTION 'projection frozen'; END $$;
+                 CREATE TRIGGER frozen BEFORE INSERT OR UPDATE ON projection FOR EACH ROW
+                     WHEN (NEW.flow_id = 'B' AND NEW.last_seq = 3) EXECUTE FUNCTION frozen();",
+            )
+            .await;
+        let flows = ["A", "B", "C"].map(str::to_owned).to_vec();
+        let results = store.apply_flows(flows, 1000, ApplyOptions::default()).await;
+        let applied: Vec<_> = results
+            .iter()
+            .map(|r| match &r.outcome {
+                Ok(report) => (report.applied.clone(), None),
+                Err(f) => (f.applied.clone(), Some(f.source.to_string().contains("projection frozen"))),
+            })
+            .collect();
+        let ids = |ids: &[&str]| ids.iter().map(|id| id.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            applied,
+            [
+                (ids(&["A1", "A2", "A3"]), None),
+                (ids(&["B1", "B2"]), Some(true)),
+                (ids(&["C1", "C2", "C3"]), None)
+            ],
+            "{b}"
+        );
+        for (flow, last_seq, effects) in [("A", 3, 3), ("B", 2, 2), ("C", 3, 3)] {
+            let view = store.flow(flow.into()).await.unwrap();
+            assert_eq!(view.projection.last_seq, last_seq, "{b} {flow}");
+            assert_eq!(view.effects.len(), effects, "{b} {flow}");
+            let states: Vec<_> = view.inbox.iter().map(|r| r.state).collect();
+            let expected: Vec<_> = (1..=3)
+                .map(|seq| if seq <= last_seq { InboxState::Applied } else { InboxState::Pending })
+                .collect();
+            assert_eq!(states, expected, "{b} {flow}");
+        }
+        assert_eq!(store.unapplied_count().await.unwrap(), 1, "{b}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_full_backlog_refuses_new_work_but_admits_the_awaited_seq() {
     for (store, _keep) in stores("c_backlog_cap").await {
