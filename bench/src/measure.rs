@@ -18,17 +18,16 @@ fn open_ro(path: &Path) -> anyhow::Result<Connection> {
     Ok(conn)
 }
 
-/// The statement counting consumer.db's effects without a scan: their apply-order keys are
-/// dense (effects are never deleted or compacted), so the highest one counts them. Since
-/// schema 8 they are `effect_log`'s ids (`effect` is a view that joins the inbox, whose
-/// max would walk every effect); an older build's file (`--bin-dir`) has the table `effect`.
+/// The statement counting consumer.db's effects without a scan. Since schema 10 the store
+/// keeps the count in `backlog.effects`; in schemas 8 and 9 the apply-order keys of
+/// `effect_log` were its dense ids (effects are never deleted or compacted), so the highest
+/// one counts them (`effect` is a view that joins the inbox, whose max would walk every
+/// effect); an older build's file (`--bin-dir`) has the table `effect`, whose rowid is dense.
 pub fn effects_count_sql(consumer: &Connection) -> anyhow::Result<&'static str> {
-    let log: bool = consumer.query_row(
-        "SELECT count(*) > 0 FROM sqlite_schema WHERE type = 'table' AND name = 'effect_log'",
-        [],
-        |r| r.get(0),
-    )?;
-    Ok(if log {
+    let has = |sql: &str| -> anyhow::Result<bool> { Ok(consumer.query_row(sql, [], |r| r.get(0))?) };
+    Ok(if has("SELECT count(*) > 0 FROM pragma_table_info('backlog') WHERE name = 'effects'")? {
+        "SELECT effects FROM backlog WHERE id = 1"
+    } else if has("SELECT count(*) > 0 FROM sqlite_schema WHERE type = 'table' AND name = 'effect_log'")? {
         "SELECT coalesce(max(id), 0) FROM effect_log"
     } else {
         "SELECT coalesce(max(rowid), 0) FROM effect"

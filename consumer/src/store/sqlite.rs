@@ -30,9 +30,10 @@ use crate::waiting::{WaitDelta, state_of};
 /// kept by the store, not by triggers; version 5: the committed time beside each row and the
 /// blocked rows counted by reason; version 6: bodies in their own table, tombstones;
 /// version 7: the gap and ready flows counted; version 8: effects keyed by their inbox row's
+/// position; version 9: projections keyed by flow; version 10: the effect log's rowid is the
 /// position; a new file gets version 1's schema and then every upgrade).
 pub const KIND: DbKind = DbKind::consumer(
-    9,
+    10,
     SCHEMA,
     &[
         IDENTITY_SQL,
@@ -43,8 +44,37 @@ pub const KIND: DbKind = DbKind::consumer(
         GAP_AND_READY_SQL,
         EFFECTS_BY_POSITION_SQL,
         PROJECTION_BY_FLOW_SQL,
+        EFFECT_LOG_BY_POSITION_SQL,
     ],
 );
+
+/// Version 10 (issue 18): `effect_log` is stored in the b-tree of its inbox position (its
+/// rowid) instead of a rowid of its own plus a unique index on the position: each applied step
+/// wrote two b-tree entries where it now writes one (~2k instructions per event in the
+/// consumer; the index also took ~13 bytes per effect). The apply order, which was the rowid,
+/// is the column `applied` (1, 2, 3, …): the store numbers each effect from
+/// `backlog.effects`, the count of effects, kept exact in the same UPDATE as the other
+/// counters (see [`Unapplied`]). `effect` reads as before (its `rowid` column is the apply
+/// order). The rows are copied once.
+const EFFECT_LOG_BY_POSITION_SQL: &str = "
+ALTER TABLE backlog ADD COLUMN effects INTEGER NOT NULL DEFAULT 0 CHECK(effects >= 0);
+CREATE TABLE effect_log_v10(
+    position INTEGER PRIMARY KEY,
+    applied INTEGER NOT NULL,
+    kind TEXT NOT NULL,
+    held INTEGER NOT NULL,
+    applied_at_us INTEGER NOT NULL
+);
+INSERT INTO effect_log_v10(position, applied, kind, held, applied_at_us)
+SELECT position, id, kind, held, applied_at_us FROM effect_log ORDER BY position;
+UPDATE backlog SET effects = (SELECT coalesce(max(id), 0) FROM effect_log) WHERE id = 1;
+DROP VIEW effect;
+DROP TABLE effect_log;
+ALTER TABLE effect_log_v10 RENAME TO effect_log;
+CREATE VIEW effect(rowid, event_id, flow_id, seq, kind, held, applied_at_us) AS
+SELECT e.applied, i.event_id, i.flow_id, i.seq, e.kind, e.held, e.applied_at_us
+FROM effect_log e JOIN inbox i ON i.rowid = e.position;
+";
 
 /// Version 9 (issues 16 and 18): `projection` is a `WITHOUT ROWID` table, stored in the
 /// b-tree of its `flow_id` key. As a rowid table it kept each flow id twice (in the row and in
@@ -1154,6 +1184,17 @@ pub fn unapplied_count(conn: &Connection) -> Result<u64> {
     Ok(conn.prepare_cached("SELECT unapplied FROM backlog WHERE id = 1")?.query_row([], |r| r.get(0))?)
 }
 
+/// The counters' UPDATE that [`Unapplied::write`] completes.
+macro_rules! backlog_update {
+    () => {
+        "UPDATE backlog SET unapplied = unapplied + ?1,
+             blocked_unsupported_schema = blocked_unsupported_schema + ?2,
+             blocked_invalid_payload = blocked_invalid_payload + ?3,
+             blocked_invalid_transition = blocked_invalid_transition + ?4,
+             gap_flows = gap_flows + ?5, ready_flows = ready_flows + ?6"
+    };
+}
+
 /// The `backlog` counters inside one write transaction: `unapplied` read at most once (when
 /// the cap needs it), this transaction's changes of it, of the blocked rows by reason and of
 /// the gap and ready flows summed, and written once before the commit ([`Unapplied::write`],
@@ -1173,9 +1214,25 @@ pub struct Unapplied {
     /// (see [`insert_pending_with`]); only a receive transaction inserts, and it applies
     /// nothing, so the seq stays true to the commit.
     last_inserted: Option<(String, u64)>,
+    /// `backlog.effects` as stored (read at this transaction's first applied step).
+    effects_stored: Option<i64>,
+    /// Effects this transaction inserted.
+    effects: i64,
 }
 
 impl Unapplied {
+    /// The apply order of the effect the next applied step inserts: the stored count of
+    /// effects (read once) plus this transaction's, plus one.
+    fn next_effect(&mut self, tx: &Connection) -> Result<i64> {
+        let stored = match self.effects_stored {
+            Some(n) => n,
+            None => *self.effects_stored.insert(
+                tx.prepare_cached("SELECT effects FROM backlog WHERE id = 1")?.query_row([], |r| r.get(0))?,
+            ),
+        };
+        Ok(stored + self.effects + 1)
+    }
+
     /// Unapplied rows as this transaction sees them now: the stored counter (read once) plus
     /// this transaction's changes.
     pub fn count(&mut self, tx: &Connection) -> Result<u64> {
@@ -1188,7 +1245,7 @@ impl Unapplied {
 
     /// Whether this transaction changed a counter (it inserted, applied or blocked a row).
     pub fn changed(&self) -> bool {
-        self.delta != 0 || self.blocked != [0; 3] || self.waiting != WaitDelta::NONE
+        self.delta != 0 || self.blocked != [0; 3] || self.waiting != WaitDelta::NONE || self.effects != 0
     }
 
     /// A row's block reason went from `was` to `now` (`None`: not blocked).
@@ -1203,27 +1260,21 @@ impl Unapplied {
         }
     }
 
-    /// Writes this transaction's change of the counters (nothing when there is none).
+    /// Writes this transaction's change of the counters (nothing when there is none). A
+    /// transaction that inserted no effect (a receive, a block) leaves `effects` out.
     pub fn write(&mut self, tx: &Transaction<'_>) -> Result<()> {
         if self.changed() {
             let [schema, payload, transition] = self.blocked;
-            tx.prepare_cached(
-                "UPDATE backlog SET unapplied = unapplied + ?1,
-                     blocked_unsupported_schema = blocked_unsupported_schema + ?2,
-                     blocked_invalid_payload = blocked_invalid_payload + ?3,
-                     blocked_invalid_transition = blocked_invalid_transition + ?4,
-                     gap_flows = gap_flows + ?5, ready_flows = ready_flows + ?6
-                 WHERE id = 1",
-            )?
-            .execute([
-                self.delta,
-                schema,
-                payload,
-                transition,
-                self.waiting.gap,
-                self.waiting.ready,
-            ])?;
+            let counters = [self.delta, schema, payload, transition, self.waiting.gap, self.waiting.ready];
+            if self.effects == 0 {
+                tx.prepare_cached(concat!(backlog_update!(), " WHERE id = 1"))?.execute(counters)?;
+            } else {
+                tx.prepare_cached(concat!(backlog_update!(), ", effects = effects + ?7 WHERE id = 1"))?
+                    .execute(rusqlite::params_from_iter(counters.iter().chain([&self.effects])))?;
+            }
             self.stored = self.stored.map(|n| n.saturating_add_signed(self.delta));
+            self.effects_stored = self.effects_stored.map(|n| n + self.effects);
+            self.effects = 0;
             self.delta = 0;
             self.blocked = [0; 3];
             self.waiting = WaitDelta::NONE;
@@ -1561,8 +1612,11 @@ fn apply_step_with(
         }
     }
     crash.reach(CrashPoint::ConsumerApplyAfterProjection);
-    held.get("INSERT INTO effect_log(position, kind, held, applied_at_us) VALUES (?1, ?2, ?3, ?4)")?
-        .execute(params![position, kind.as_str(), after.held, now_us])?;
+    let order = unapplied.next_effect(held.conn())?;
+    held.get(
+        "INSERT INTO effect_log(position, applied, kind, held, applied_at_us) VALUES (?1, ?2, ?3, ?4, ?5)",
+    )?
+    .execute(params![position, order, kind.as_str(), after.held, now_us])?;
     let marked = held
         .get(
             "UPDATE inbox SET state = 'applied', reason = NULL, applied_at_us = ?2
@@ -1576,6 +1630,7 @@ fn apply_step_with(
         )));
     }
     unapplied.delta -= 1;
+    unapplied.effects += 1;
     if row.state == InboxState::Blocked {
         unapplied.blocked(row.reason, None);
     }
@@ -1999,7 +2054,7 @@ mod tests {
         let mut conn = open(&path).unwrap();
         assert_eq!(effects(&conn), before);
         let positions: Vec<(i64, i64)> = conn
-            .prepare("SELECT id, position FROM effect_log ORDER BY id")
+            .prepare("SELECT applied, position FROM effect_log ORDER BY applied")
             .unwrap()
             .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
             .unwrap()
@@ -2012,7 +2067,7 @@ mod tests {
         assert_eq!(flow_effects(&conn, "A").unwrap().iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3]);
         let twice = conn
             .execute(
-                "INSERT INTO effect_log(position, kind, held, applied_at_us) VALUES (1, 'reserved', 3, 1)",
+                "INSERT INTO effect_log(position, applied, kind, held, applied_at_us) VALUES (1, 9, 'reserved', 3, 1)",
                 [],
             )
             .unwrap_err();
@@ -2028,9 +2083,16 @@ mod tests {
         for (flow, seq) in [("B", 1), ("A", 1), ("A", 2)] {
             assert_eq!(receive(&mut conn, &reference(flow, seq)), ReceiveOutcome::Accepted);
         }
-        for flow in ["B", "A", "A"] {
-            assert_eq!(step(&mut conn, flow), Some(StepOutcome::Applied));
-        }
+        // Applied as a version 8 build did.
+        conn.execute_batch(
+            "INSERT INTO effect_log(position, kind, held, applied_at_us) VALUES
+                 (1, 'reserved', 3, 1), (2, 'reserved', 3, 2), (3, 'confirmed', 3, 3);
+             UPDATE inbox SET state = 'applied', applied_at_us = 3;
+             INSERT INTO projection(flow_id, last_seq, state, held, amount) VALUES
+                 ('B', 1, 'reserved', 3, 3), ('A', 2, 'confirmed', 3, 3);
+             UPDATE backlog SET unapplied = 0;",
+        )
+        .unwrap();
         type ProjectionRow = (String, i64, String, i64, i64);
         let projections = |conn: &Connection| -> Vec<ProjectionRow> {
             conn.prepare("SELECT flow_id, last_seq, state, held, amount FROM projection ORDER BY flow_id")
@@ -2057,6 +2119,85 @@ mod tests {
         assert_eq!(receive(&mut conn, &reference("C", 1)), ReceiveOutcome::Accepted);
         assert_eq!(step(&mut conn, "C"), Some(StepOutcome::Applied));
         assert_eq!(projections(&conn).len(), 3);
+        let check: String = conn.query_row("PRAGMA integrity_check", [], |r| r.get(0)).unwrap();
+        assert_eq!(check, "ok");
+    }
+
+    /// A version 9 file's effect log is rebuilt keyed by position: every effect reads as
+    /// before, in the same apply order (here not the receive order), `backlog.effects` counts
+    /// them, a new step is numbered after them, and a second effect for one inbox row is
+    /// still refused.
+    #[test]
+    fn a_version_9_file_keys_its_effect_log_by_position_and_keeps_the_apply_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.db");
+        let v9 = DbKind::consumer(9, SCHEMA, KIND.upgrades.split_at(8).0);
+        let mut conn = db::open(&path, &v9, db::OpenMode::Create).unwrap();
+        // Received B1, A2, A1 (positions 1, 2, 3); applied B1, A1 (apply order 1, 2).
+        for (flow, seq) in [("B", 1), ("A", 2), ("A", 1)] {
+            assert_eq!(receive(&mut conn, &reference(flow, seq)), ReceiveOutcome::Accepted);
+        }
+        // Applied B1 then A1 as a version 9 build did (its log's ids are the apply order).
+        conn.execute_batch(
+            "INSERT INTO effect_log(position, kind, held, applied_at_us) VALUES
+                 (1, 'reserved', 3, 1), (3, 'reserved', 3, 2);
+             UPDATE inbox SET state = 'applied', applied_at_us = 2 WHERE rowid IN (1, 3);
+             INSERT INTO projection(flow_id, last_seq, state, held, amount) VALUES
+                 ('B', 1, 'reserved', 3, 3), ('A', 1, 'reserved', 3, 3);
+             UPDATE backlog SET unapplied = 1, ready_flows = 1;",
+        )
+        .unwrap();
+        type EffectRow = (i64, String, String, i64, String, i64);
+        let effects = |conn: &Connection| -> Vec<EffectRow> {
+            conn.prepare("SELECT rowid, event_id, flow_id, seq, kind, held FROM effect ORDER BY rowid")
+                .unwrap()
+                .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?)))
+                .unwrap()
+                .collect::<rusqlite::Result<_>>()
+                .unwrap()
+        };
+        let before = effects(&conn);
+        assert_eq!(before.iter().map(|e| (e.0, e.1.as_str())).collect::<Vec<_>>(), [(1, "B1"), (2, "A1")]);
+        let indexes = |conn: &Connection| -> i64 {
+            conn.query_row(
+                "SELECT count(*) FROM sqlite_schema WHERE type = 'index' AND tbl_name = 'effect_log'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap()
+        };
+        assert_eq!(indexes(&conn), 1, "version 9: the position's unique index");
+        drop(conn);
+        let mut conn = open(&path).unwrap();
+        assert_eq!(indexes(&conn), 0);
+        assert_eq!(effects(&conn), before);
+        let stored: i64 = conn.query_row("SELECT effects FROM backlog", [], |r| r.get(0)).unwrap();
+        assert_eq!(stored, 2);
+        let keyed: Vec<(i64, i64)> = conn
+            .prepare("SELECT rowid, applied FROM effect_log ORDER BY rowid")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        assert_eq!(keyed, [(1, 1), (3, 2)], "(position, apply order)");
+        // A2 (position 2) applies third.
+        assert_eq!(step(&mut conn, "A"), Some(StepOutcome::Applied));
+        let after = effects(&conn);
+        assert_eq!(
+            after.iter().map(|e| (e.0, e.1.as_str())).collect::<Vec<_>>(),
+            [(1, "B1"), (2, "A1"), (3, "A2")]
+        );
+        let stored: i64 = conn.query_row("SELECT effects FROM backlog", [], |r| r.get(0)).unwrap();
+        assert_eq!(stored, 3);
+        assert_eq!(flow_effects(&conn, "A").unwrap().iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2]);
+        let twice = conn
+            .execute(
+                "INSERT INTO effect_log(position, applied, kind, held, applied_at_us) VALUES (3, 4, 'reserved', 3, 1)",
+                [],
+            )
+            .unwrap_err();
+        assert!(twice.to_string().contains("UNIQUE"), "{twice}");
         let check: String = conn.query_row("PRAGMA integrity_check", [], |r| r.get(0)).unwrap();
         assert_eq!(check, "ok");
     }
