@@ -2015,6 +2015,43 @@ mod tests {
         );
     }
 
+    /// A file as a build of schema `version` created it, with the reference events of
+    /// `received` (flow, seq) accepted in that order.
+    fn file_at(
+        version: i32,
+        received: &[(&str, u64)],
+    ) -> (tempfile::TempDir, std::path::PathBuf, Connection) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.db");
+        let kind = DbKind::consumer(version, SCHEMA, KIND.upgrades.split_at(version as usize - 1).0);
+        let mut conn = db::open(&path, &kind, db::OpenMode::Create).unwrap();
+        for (flow, seq) in received {
+            assert_eq!(receive(&mut conn, &reference(flow, *seq)), ReceiveOutcome::Accepted);
+        }
+        (dir, path, conn)
+    }
+
+    /// Every row of the `effect` view, in apply order: (apply order, event id, flow id, seq,
+    /// kind, held).
+    fn effect_rows(conn: &Connection) -> Vec<(i64, String, String, i64, String, i64)> {
+        conn.prepare("SELECT rowid, event_id, flow_id, seq, kind, held FROM effect ORDER BY rowid")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?)))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap()
+    }
+
+    /// The rows of a two-integer query.
+    fn int_pairs(conn: &Connection, sql: &str) -> Vec<(i64, i64)> {
+        conn.prepare(sql)
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap()
+    }
+
     /// A version 7 file's effects move to `effect_log` keyed by their inbox rows' positions,
     /// in the same apply order (here not the receive order), and `effect` reads as before;
     /// new steps append to the log, and a second effect for one inbox row is refused.
@@ -2039,27 +2076,12 @@ mod tests {
              UPDATE backlog SET unapplied = 0, gap_flows = 0, ready_flows = 0;",
         )
         .unwrap();
-        type EffectRow = (i64, String, String, i64, String, i64);
-        let effects = |conn: &Connection| -> Vec<EffectRow> {
-            conn.prepare("SELECT rowid, event_id, flow_id, seq, kind, held FROM effect ORDER BY rowid")
-                .unwrap()
-                .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?)))
-                .unwrap()
-                .collect::<rusqlite::Result<_>>()
-                .unwrap()
-        };
-        let before = effects(&conn);
+        let before = effect_rows(&conn);
         assert_eq!(before.iter().map(|e| e.1.as_str()).collect::<Vec<_>>(), ["B1", "A1", "A2"]);
         drop(conn);
         let mut conn = open(&path).unwrap();
-        assert_eq!(effects(&conn), before);
-        let positions: Vec<(i64, i64)> = conn
-            .prepare("SELECT applied, position FROM effect_log ORDER BY applied")
-            .unwrap()
-            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
-            .unwrap()
-            .collect::<rusqlite::Result<_>>()
-            .unwrap();
+        assert_eq!(effect_rows(&conn), before);
+        let positions = int_pairs(&conn, "SELECT applied, position FROM effect_log ORDER BY applied");
         assert_eq!(positions, [(1, 1), (2, 3), (3, 2)]);
         assert_eq!(flow_effects(&conn, "A").unwrap().iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2]);
         assert_eq!(receive(&mut conn, &reference("A", 3)), ReceiveOutcome::Accepted);
@@ -2076,13 +2098,7 @@ mod tests {
 
     #[test]
     fn a_version_8_file_keeps_its_projections_in_a_table_keyed_by_flow() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("c.db");
-        let v8 = DbKind::consumer(8, SCHEMA, KIND.upgrades.split_at(7).0);
-        let mut conn = db::open(&path, &v8, db::OpenMode::Create).unwrap();
-        for (flow, seq) in [("B", 1), ("A", 1), ("A", 2)] {
-            assert_eq!(receive(&mut conn, &reference(flow, seq)), ReceiveOutcome::Accepted);
-        }
+        let (_dir, path, conn) = file_at(8, &[("B", 1), ("A", 1), ("A", 2)]);
         // Applied as a version 8 build did.
         conn.execute_batch(
             "INSERT INTO effect_log(position, kind, held, applied_at_us) VALUES
@@ -2129,14 +2145,8 @@ mod tests {
     /// still refused.
     #[test]
     fn a_version_9_file_keys_its_effect_log_by_position_and_keeps_the_apply_order() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("c.db");
-        let v9 = DbKind::consumer(9, SCHEMA, KIND.upgrades.split_at(8).0);
-        let mut conn = db::open(&path, &v9, db::OpenMode::Create).unwrap();
         // Received B1, A2, A1 (positions 1, 2, 3); applied B1, A1 (apply order 1, 2).
-        for (flow, seq) in [("B", 1), ("A", 2), ("A", 1)] {
-            assert_eq!(receive(&mut conn, &reference(flow, seq)), ReceiveOutcome::Accepted);
-        }
+        let (_dir, path, conn) = file_at(9, &[("B", 1), ("A", 2), ("A", 1)]);
         // Applied B1 then A1 as a version 9 build did (its log's ids are the apply order).
         conn.execute_batch(
             "INSERT INTO effect_log(position, kind, held, applied_at_us) VALUES
@@ -2147,16 +2157,7 @@ mod tests {
              UPDATE backlog SET unapplied = 1, ready_flows = 1;",
         )
         .unwrap();
-        type EffectRow = (i64, String, String, i64, String, i64);
-        let effects = |conn: &Connection| -> Vec<EffectRow> {
-            conn.prepare("SELECT rowid, event_id, flow_id, seq, kind, held FROM effect ORDER BY rowid")
-                .unwrap()
-                .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?)))
-                .unwrap()
-                .collect::<rusqlite::Result<_>>()
-                .unwrap()
-        };
-        let before = effects(&conn);
+        let before = effect_rows(&conn);
         assert_eq!(before.iter().map(|e| (e.0, e.1.as_str())).collect::<Vec<_>>(), [(1, "B1"), (2, "A1")]);
         let indexes = |conn: &Connection| -> i64 {
             conn.query_row(
@@ -2170,20 +2171,14 @@ mod tests {
         drop(conn);
         let mut conn = open(&path).unwrap();
         assert_eq!(indexes(&conn), 0);
-        assert_eq!(effects(&conn), before);
+        assert_eq!(effect_rows(&conn), before);
         let stored: i64 = conn.query_row("SELECT effects FROM backlog", [], |r| r.get(0)).unwrap();
         assert_eq!(stored, 2);
-        let keyed: Vec<(i64, i64)> = conn
-            .prepare("SELECT rowid, applied FROM effect_log ORDER BY rowid")
-            .unwrap()
-            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
-            .unwrap()
-            .collect::<rusqlite::Result<_>>()
-            .unwrap();
+        let keyed = int_pairs(&conn, "SELECT rowid, applied FROM effect_log ORDER BY rowid");
         assert_eq!(keyed, [(1, 1), (3, 2)], "(position, apply order)");
         // A2 (position 2) applies third.
         assert_eq!(step(&mut conn, "A"), Some(StepOutcome::Applied));
-        let after = effects(&conn);
+        let after = effect_rows(&conn);
         assert_eq!(
             after.iter().map(|e| (e.0, e.1.as_str())).collect::<Vec<_>>(),
             [(1, "B1"), (2, "A1"), (3, "A2")]
