@@ -1509,10 +1509,11 @@ fn apply_step(
 /// A flow's projection write held back by the steps of a direct run (`Steps::Direct`): the
 /// projection as stored when the flow's first step in the transaction read it, and as its
 /// last applied step left it. The apply loop writes it once ([`write_held_back`]) when the
-/// flow's run in the transaction ends, instead of once per step (~7k instructions a write in
-/// the sqlite3 shell, most of it the b-tree update of a text-keyed row). The effects and inbox marks are
-/// written by every step as before; only this transaction's steps see the projection between
-/// them, and they take it from memory (`known`). With savepoints every step writes its own.
+/// flow's run in the transaction ends, instead of once per step (~7.5k instructions a write
+/// in the sqlite3 shell, most of it the b-tree update of a text-keyed row). The effects and
+/// inbox marks are written by every step as before; only this transaction's steps see the
+/// projection between them, and they take it from memory (`known`). With savepoints every
+/// step writes its own.
 struct HeldBack {
     flow_id: String,
     stored: Projection,
