@@ -48,14 +48,14 @@ pub const KIND: DbKind = DbKind::consumer(
     ],
 );
 
-/// Version 10 (issue 18): `effect_log` is stored in the b-tree of its inbox position (its
-/// rowid) instead of a rowid of its own plus a unique index on the position: each applied step
-/// wrote two b-tree entries where it now writes one (the index insert was ~2.3k instructions
-/// in the system's `sqlite3` shell; the index took 11.6 bytes per effect, `dbstat`). The apply order, which was the rowid,
-/// is the column `applied` (1, 2, 3, …): the store numbers each effect from
-/// `backlog.effects`, the count of effects, kept exact in the same UPDATE as the other
-/// counters (see [`Unapplied`]). `effect` reads as before (its `rowid` column is the apply
-/// order). The rows are copied once.
+/// Version 10 (issues 16 and 18): `effect_log` is stored in the b-tree of its inbox position
+/// (its rowid) instead of a rowid of its own plus a unique index on the position: each
+/// applied step wrote two b-tree entries where it now writes one (the index insert was ~2.3k
+/// instructions in the system's `sqlite3` shell; the index took 11.6 bytes per effect,
+/// `dbstat`). The apply order, which was the rowid, is the column `applied` (1, 2, 3, …):
+/// the store numbers each effect from `backlog.effects`, the count of effects, kept exact in
+/// the same UPDATE as the other counters (see [`Unapplied`]). `effect` reads as before (its
+/// `rowid` column is the apply order). The rows are copied once.
 const EFFECT_LOG_BY_POSITION_SQL: &str = "
 ALTER TABLE backlog ADD COLUMN effects INTEGER NOT NULL DEFAULT 0 CHECK(effects >= 0);
 CREATE TABLE effect_log_v10(
@@ -1573,10 +1573,10 @@ fn write_held_back(held: &mut Held<'_>, back: Option<HeldBack>) -> bool {
 
 /// Inside the caller's `BEGIN IMMEDIATE` transaction, with the batch's held statements, the
 /// applied step of SPEC §7: only if the stored projection is still `from` (checked by the
-/// guarded write itself, never trusting the caller's copy) updates it to `after`, inserts the effect and marks `row`
-/// applied (counted in `unapplied`). Any failure (a constraint, a trigger) is returned before
-/// commit, so the caller's rollback undoes all three. Crash points
-/// `consumer.apply.after_projection` and `.after_effect` sit inside.
+/// guarded write itself, never trusting the caller's copy) updates it to `after`, inserts
+/// the effect and marks `row` applied (counted in `unapplied`). Any failure (a constraint, a
+/// trigger) is returned before commit, so the caller's rollback undoes all three. Crash
+/// points `consumer.apply.after_projection` and `.after_effect` sit inside.
 ///
 /// With `held_back` (a direct run, see [`HeldBack`]) the projection is not written here: the
 /// step records `after` there and the apply loop writes the flow's last one, guarded by the
