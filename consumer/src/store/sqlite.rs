@@ -1334,19 +1334,21 @@ fn projection_with(held: &mut Held<'_>, flow_id: &str) -> Result<Projection> {
 }
 
 /// The columns `raw_inbox` reads, as a macro so the statements below are literals (built
-/// once at compile time, not formatted at every call).
+/// once at compile time, not formatted at every call). The body comes by a `LEFT JOIN` of
+/// `inbox_body` on the position (no body: a tombstone). It was a correlated scalar subquery,
+/// a sub-program run for every row (~1.1k instructions more per read of a flow's next rows,
+/// callgrind, bench), chosen when the join's statements were re-prepared at almost every
+/// run because their plans depended on the bound values; every connection now has the
+/// planner stability guarantee (`proto::db::open`), and `bench --callgrind` shows no
+/// `sqlite3Reprepare` in any process with the join.
 macro_rules! inbox_columns {
     () => {
-        "i.event_id, i.flow_id, i.seq, i.kind, i.schema,
-         (SELECT b.body FROM inbox_body b WHERE b.position = i.rowid), i.body_sha256, i.state, i.reason,
-         i.committed_at_us, i.rowid FROM inbox i"
+        "i.event_id, i.flow_id, i.seq, i.kind, i.schema, b.body, i.body_sha256, i.state, i.reason,
+         i.committed_at_us, i.rowid FROM inbox i LEFT JOIN inbox_body b ON b.position = i.rowid"
     };
 }
 
-/// The row at one (flow_id, seq) (ListStuck's lowest unapplied row). The body is read by a
-/// scalar subquery, not a `LEFT JOIN`: with the join SQLite re-prepared the statement at
-/// almost every run (its plan depended on the bound values), about 110k instructions per
-/// applied event (callgrind, bench).
+/// The row at one (flow_id, seq) (ListStuck's lowest unapplied row).
 const INBOX_AT_SEQ_SQL: &str = concat!("SELECT ", inbox_columns!(), " WHERE i.flow_id = ?1 AND i.seq = ?2");
 
 /// The flow's first row at or after a seq, in one seek of the `(flow_id, seq)` key: the row

@@ -752,18 +752,19 @@ fn flow_record_with(held: &mut Held<'_>, flow_id: &str) -> Result<FlowRecord, St
 
 /// The columns `outbox_from_row` reads, as a macro so the statements below are literals
 /// (built once at compile time, not formatted at every call).
-/// A row without an `outbox_body` row is a tombstone (its body compacted). The body is read
-/// by a scalar subquery, chosen over a `LEFT JOIN` whose statements were seen re-prepared
-/// after every write transaction (~110k instructions each). The relay page's own re-prepares
-/// later turned out to be its `LIMIT ?` binding, which `proto::db::open` now stops (the
-/// planner stability guarantee); whether the join would now stay prepared was not checked.
+/// A row without an `outbox_body` row is a tombstone (its body compacted). The body comes by
+/// a `LEFT JOIN`; it was a correlated scalar subquery (a sub-program run for every row,
+/// ~0.75k instructions more per row of the relay's page, callgrind, bench), chosen when the
+/// join's statements were seen re-prepared at almost every run. Those re-prepares were the
+/// bound values the plans depended on (the page's `LIMIT ?`), which the planner stability
+/// guarantee set by `proto::db::open` stops: `bench --callgrind` shows no `sqlite3Reprepare`
+/// in any process with the join.
 macro_rules! outbox_columns {
     () => {
-        "outbox.event_id, outbox.flow_id, outbox.seq, outbox.kind, outbox.schema,
-         (SELECT outbox_body.body FROM outbox_body WHERE outbox_body.id = outbox.id),
+        "outbox.event_id, outbox.flow_id, outbox.seq, outbox.kind, outbox.schema, outbox_body.body,
          outbox.accepted, outbox.attempts, outbox.last_outcome, outbox.committed_at_us,
          outbox.body_sha256, outbox.id
-         FROM outbox"
+         FROM outbox LEFT JOIN outbox_body ON outbox_body.id = outbox.id"
     };
 }
 
