@@ -1112,8 +1112,8 @@ fn insert_pending_with(
 fn stored_outcome(tx: &Connection, event: &Event, body: &str) -> Result<Option<ReceiveOutcome>> {
     let stored: Option<(Option<String>, Option<Vec<u8>>)> = tx
         .prepare_cached(
-            "SELECT (SELECT b.body FROM inbox_body b WHERE b.position = i.rowid), i.body_sha256
-             FROM inbox i WHERE i.event_id = ?1",
+            "SELECT b.body, i.body_sha256
+             FROM inbox i LEFT JOIN inbox_body b ON b.position = i.rowid WHERE i.event_id = ?1",
         )?
         .query_row([&event.event_id], |r| Ok((r.get(0)?, r.get(1)?)))
         .optional()?;
