@@ -659,9 +659,9 @@ impl Unaccepted {
 /// abandons the direct run, and the run with savepoints reads the id's history first, so
 /// every answer is the one SPEC §5 gives. A call that turns out not to write reads it before
 /// it answers (the history decides first). A call that skipped the lookup reaches
-/// `producer.after_flow_update` only once its outbox insert succeeded, right before `producer.after_outbox_insert`: a call
-/// answered by its history reaches no crash point, and a crash at either point leaves the
-/// same file (nothing of the transaction is committed).
+/// `producer.after_flow_update` only once its outbox insert succeeded, right before
+/// `producer.after_outbox_insert`: a call answered by its history reaches no crash point, and
+/// a crash at either point leaves the same file (nothing of the transaction is committed).
 pub fn advance(
     tx: &Transaction<'_>,
     held: &mut Held<'_>,
@@ -855,7 +855,8 @@ macro_rules! mark_accepted {
 /// this answer); a row already accepted (a resend answered `DUPLICATE`) or refused takes the
 /// plain count. With the row's key (`row_id`, as the relay's page read it) the common
 /// statement finds the row by it instead of searching the event id's index (~0.8k fewer
-/// instructions per event in the relay), and still requires the event id. Returns false when no such row exists.
+/// instructions per event in the relay), and still requires the event id. Returns false
+/// when no such row exists.
 pub fn record_delivery(
     held: &mut Held<'_>,
     event_id: &str,
