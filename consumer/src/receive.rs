@@ -14,7 +14,7 @@ use tonic::Status;
 use crate::apply::{self, ApplyOptions};
 use crate::request::DEFAULT_MAX_STEPS;
 use crate::storage::StorageWatch;
-use crate::store::{self, ConsumerStore, Incoming, ReceiveContext, ReceiveOutcome};
+use crate::store::{self, BatchEvents, ConsumerStore, Incoming, ReceiveContext, ReceiveOutcome};
 
 pub use crate::store::Received;
 
@@ -126,6 +126,7 @@ async fn write_batch(store: &ConsumerStore, jobs: Vec<ReceiveJob>, opts: WriterO
     let answers = store.receive_batch(Arc::clone(&incoming), ctx).await;
     let committed = started.elapsed();
     RECEIVE_BATCHES.record_timed(batch_len, started);
+    let events = opts.auto_apply.then(|| BatchEvents::new(Arc::clone(&incoming), &answers));
     let mut touched = BTreeSet::new();
     for ((reply, envelope), answer) in replies.into_iter().zip(incoming.iter()).zip(answers) {
         let answer = match answer {
@@ -142,8 +143,8 @@ async fn write_batch(store: &ConsumerStore, jobs: Vec<ReceiveJob>, opts: WriterO
         let _ = reply.send(answer);
     }
     let flows = touched.len();
-    if opts.auto_apply && flows > 0 {
-        auto_apply(store, touched.into_iter().collect(), opts.apply).await;
+    if let Some(events) = events.filter(|_| flows > 0) {
+        auto_apply(store, touched.into_iter().collect(), events, opts.apply).await;
     }
     tracing::debug!(
         envelopes = batch_len,
@@ -233,11 +234,12 @@ async fn unblock_loop(store: &ConsumerStore, opts: ApplyOptions) {
     }
 }
 
-/// Auto-apply after a committed batch: the flows it touched, group-committed. A flow that
-/// stops at a gap or a block simply waits (as with a manual Apply); a failing flow is logged
-/// and retried when its next event arrives.
-async fn auto_apply(store: &ConsumerStore, flows: Vec<String>, opts: ApplyOptions) {
-    let results = store.apply_flows(flows, DEFAULT_MAX_STEPS, opts).await;
+/// Auto-apply after a committed batch: the flows it touched, group-committed, each step of a
+/// row the batch stored taking its event from `events`. A flow that stops at a gap or a
+/// block simply waits (as with a manual Apply); a failing flow is logged and retried when its
+/// next event arrives.
+async fn auto_apply(store: &ConsumerStore, flows: Vec<String>, events: BatchEvents, opts: ApplyOptions) {
+    let results = store.apply_received(flows, events, DEFAULT_MAX_STEPS, opts).await;
     log_failures(&results);
 }
 

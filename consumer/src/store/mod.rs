@@ -398,6 +398,45 @@ pub struct Incoming {
 /// stored because an earlier envelope of its stream failed.
 pub type BatchAnswer = Option<Result<Received>>;
 
+/// The events one committed Receive batch holds, by their inbox position: its auto-apply
+/// takes a step's event from here instead of reading the stored body back and parsing it
+/// a second time (on SQLite the body's join and parse were ~3.5k instructions per event,
+/// callgrind, bench). Exact for as long as the position exists: an accepted event's body
+/// is its canonical body, a duplicate's stored body is the same, a stored body is never
+/// edited, and a position is never reused (inbox rows are never deleted; compaction drops
+/// the bodies of applied rows only, which no step reads again).
+pub struct BatchEvents {
+    batch: Arc<Vec<Incoming>>,
+    /// (position, index in `batch`), sorted by position.
+    at: Vec<(u64, usize)>,
+}
+
+impl BatchEvents {
+    /// The batch's events that are stored (accepted or duplicate), from its answers.
+    pub fn new(batch: Arc<Vec<Incoming>>, answers: &[BatchAnswer]) -> BatchEvents {
+        let mut at: Vec<(u64, usize)> = answers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, answer)| match answer {
+                Some(Ok(Received {
+                    outcome: ReceiveOutcome::Accepted | ReceiveOutcome::Duplicate,
+                    position,
+                })) if *position > 0 => Some((*position, i)),
+                _ => None,
+            })
+            .collect();
+        at.sort_unstable();
+        BatchEvents { batch, at }
+    }
+
+    /// The event stored at inbox `position`, if this batch holds it.
+    pub fn event_at(&self, position: i64) -> Option<&Event> {
+        let position = u64::try_from(position).ok()?;
+        let i = self.at.binary_search_by_key(&position, |&(p, _)| p).ok()?;
+        self.batch.get(self.at[i].1).map(|incoming| &incoming.event)
+    }
+}
+
 /// How a Receive batch runs.
 #[derive(Clone, Copy, Debug)]
 pub struct ReceiveContext {
@@ -482,6 +521,22 @@ impl ConsumerStore {
     ) -> Vec<FlowResult> {
         match self {
             ConsumerStore::Sqlite(s) => s.apply_flows(flows, max_steps, opts).await,
+            ConsumerStore::Postgres(p) => p.apply_flows(flows, max_steps, opts).await,
+        }
+    }
+
+    /// [`ConsumerStore::apply_flows`] right after the Receive batch that holds `events`
+    /// (auto-apply): a step whose row the batch stored takes its event from `events`.
+    pub async fn apply_received(
+        &self,
+        flows: Vec<String>,
+        events: BatchEvents,
+        max_steps: u32,
+        opts: ApplyOptions,
+    ) -> Vec<FlowResult> {
+        match self {
+            ConsumerStore::Sqlite(s) => s.apply_received(flows, events, max_steps, opts).await,
+            // PostgreSQL reads a flow's rows with their bodies in the same statement either way.
             ConsumerStore::Postgres(p) => p.apply_flows(flows, max_steps, opts).await,
         }
     }

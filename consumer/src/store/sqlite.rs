@@ -15,10 +15,10 @@ use runtime::blocking::{lock, with_locked};
 use rusqlite::{Connection, OptionalExtension, Transaction, params};
 
 use super::{
-    Admission, Backlog, BacklogCounts, BacklogReader, BatchAnswer, CompactReport, EffectRecord, FlowRun,
-    FlowView, Identity, InboxRecord, InboxState, Incoming, Next, RawInbox, ReceiveContext, ReceiveOutcome,
-    Received, Result, StepOutcome, StoreError, StoredBody, checked_projection, commit_lag_us, reason_index,
-    reports, settle,
+    Admission, Backlog, BacklogCounts, BacklogReader, BatchAnswer, BatchEvents, CompactReport, EffectRecord,
+    FlowRun, FlowView, Identity, InboxRecord, InboxState, Incoming, Next, RawInbox, ReceiveContext,
+    ReceiveOutcome, Received, Result, StepOutcome, StoreError, StoredBody, checked_projection, commit_lag_us,
+    reason_index, reports, settle,
 };
 use crate::apply::{ApplyFailure, ApplyOptions, FlowResult, Stop};
 use crate::rules::{BlockReason, Decision, Projection, Waiting, decide_next};
@@ -374,9 +374,31 @@ impl SqliteStore {
         max_steps: u32,
         opts: ApplyOptions,
     ) -> Vec<FlowResult> {
+        self.apply(flows, None, max_steps, opts).await
+    }
+
+    pub(crate) async fn apply_received(
+        &self,
+        flows: Vec<String>,
+        events: BatchEvents,
+        max_steps: u32,
+        opts: ApplyOptions,
+    ) -> Vec<FlowResult> {
+        self.apply(flows, Some(events), max_steps, opts).await
+    }
+
+    async fn apply(
+        &self,
+        flows: Vec<String>,
+        events: Option<BatchEvents>,
+        max_steps: u32,
+        opts: ApplyOptions,
+    ) -> Vec<FlowResult> {
         let names = flows.clone();
         let conn = Arc::clone(&self.conn);
-        match tokio::task::spawn_blocking(move || apply_flows(&conn, flows, max_steps, opts)).await {
+        let applied =
+            tokio::task::spawn_blocking(move || apply_flows(&conn, flows, events.as_ref(), max_steps, opts));
+        match applied.await {
             Ok(results) => results,
             Err(e) => names
                 .into_iter()
@@ -706,10 +728,12 @@ enum Progress {
 /// the same flow with a savepoint per step (see [`db::Steps`]). If the whole transaction is
 /// lost, every flow that wrote in it fails and keeps only what was committed before.
 /// `consumer.apply.after_commit` is reached after each commit that holds an applied step.
+/// A step whose row `events` holds takes its event from there (see [`BatchEvents`]).
 /// Blocking: call it on a blocking thread.
 fn apply_flows(
     shared: &Mutex<Connection>,
     flows: Vec<String>,
+    events: Option<&BatchEvents>,
     max_steps: u32,
     opts: ApplyOptions,
 ) -> Vec<FlowResult> {
@@ -737,7 +761,7 @@ fn apply_flows(
             }
         };
         let first = next;
-        let ran = apply_in_tx(&tx, &mut runs, &mut known, &mut next, max_steps, &opts, steps);
+        let ran = apply_in_tx(&tx, &mut runs, &mut known, &mut next, max_steps, &opts, steps, events);
         known.fill(None);
         let Some(mut ran) = ran else {
             // A step failed in a direct run: nothing of it stays; the same flows run again
@@ -792,6 +816,7 @@ struct Ran {
 /// `opts.max_batch` steps; `None` when a step, or a flow's held-back projection write (see
 /// [`HeldBack`]), failed in a `Direct` run (the caller rolls the transaction back and runs
 /// the same flows again with savepoints).
+#[allow(clippy::too_many_arguments)]
 fn apply_in_tx(
     tx: &Transaction<'_>,
     runs: &mut [FlowRun],
@@ -800,6 +825,7 @@ fn apply_in_tx(
     max_steps: u32,
     opts: &ApplyOptions,
     steps: Steps,
+    events: Option<&BatchEvents>,
 ) -> Option<Ran> {
     let max_batch = opts.max_batch.max(1);
     let mut ran = Ran { unapplied: Unapplied::default(), lost: None };
@@ -807,7 +833,7 @@ fn apply_in_tx(
     let mut written = 0;
     // The waiting state of the flow being applied, as first read in this transaction and now.
     let mut seen: Option<Seen> = None;
-    let mut ahead = Ahead::default();
+    let mut ahead = Ahead::new(events);
     // In a direct run, the projection write of the flow being applied (see [`HeldBack`]).
     let mut held_back: Option<HeldBack> = None;
     while *next < runs.len() && written < max_batch {
@@ -938,7 +964,7 @@ fn step_in_tx(
     steps: Steps,
     unapplied: &mut Unapplied,
     seen: &mut Option<Seen>,
-    ahead: &mut Ahead,
+    ahead: &mut Ahead<'_>,
     held_back: &mut Option<HeldBack>,
 ) -> std::result::Result<Progress, StepFailure<StoreError>> {
     let from = match known {
@@ -959,10 +985,17 @@ fn step_in_tx(
     if !budget_left {
         return Ok(Progress::Stopped { stop: Stop::Limit, projection: from, wrote: false });
     }
-    let event = Event::from_canonical_body(&row.body).map_err(|e| {
-        StepFailure::RolledBack(StoreError::Inconsistent(format!("inbox {}: {e}", row.event_id)))
-    })?;
-    match decide_next(&from, &event, opts.support_v2) {
+    let parsed;
+    let event = match ahead.event_at(position) {
+        Some(event) => event,
+        None => {
+            parsed = Event::from_canonical_body(&row.body).map_err(|e| {
+                StepFailure::RolledBack(StoreError::Inconsistent(format!("inbox {}: {e}", row.event_id)))
+            })?;
+            &parsed
+        }
+    };
+    match decide_next(&from, event, opts.support_v2) {
         Decision::Block { reason, detail } => {
             let mut wrote = false;
             if row.state != InboxState::Blocked || row.reason != Some(reason) {
@@ -1423,21 +1456,73 @@ const READ_AHEAD: usize = 4;
 const INBOX_AHEAD_SQL: &str =
     concat!("SELECT ", inbox_columns!(), " WHERE i.flow_id = ?1 AND i.seq >= ?2 ORDER BY i.seq LIMIT ?3");
 
+/// [`INBOX_AHEAD_SQL`] without the body (the rows' bodies are read one by one, and only
+/// those the Receive batch being applied does not hold).
+const INBOX_AHEAD_BARE_SQL: &str =
+    "SELECT i.event_id, i.flow_id, i.seq, i.kind, i.schema, NULL, i.body_sha256,
+        i.state, i.reason, i.committed_at_us, i.rowid
+    FROM inbox i WHERE i.flow_id = ?1 AND i.seq >= ?2 ORDER BY i.seq LIMIT ?3";
+
 /// The rows of the flow being applied, read ahead in one statement inside the apply
 /// transaction: one seek of the `(flow_id, seq)` key for a run of steps, where a read per
 /// step took a seek each and one more to find the flow idle (~9k instructions per read,
 /// callgrind, bench). Only the apply transaction writes while it holds the write lock, and
 /// a step writes only the row it took, so the rows still here are as stored. Forgotten when
 /// the flow stops and with the transaction (it lives in one [`apply_in_tx`]).
-#[derive(Default)]
-struct Ahead {
+///
+/// With the events of the Receive batch being applied (auto-apply, [`BatchEvents`]), the
+/// rows are read without their bodies: a row the batch holds is never given its body (its
+/// record's `body` stays empty, and its step takes the batch's event: [`Ahead::event_at`]);
+/// any other row's body is read by its position.
+struct Ahead<'a> {
     flow_id: String,
     rows: std::collections::VecDeque<(RawInbox, i64)>,
     /// The last read found fewer rows than it asked for: the flow has none after these.
     complete: bool,
+    events: Option<&'a BatchEvents>,
 }
 
-impl Ahead {
+impl<'a> Ahead<'a> {
+    fn new(events: Option<&'a BatchEvents>) -> Ahead<'a> {
+        Ahead { flow_id: String::new(), rows: Default::default(), complete: false, events }
+    }
+
+    /// The event of the row at `position` when the Receive batch being applied holds it
+    /// (that row's record was read without its body).
+    fn event_at(&self, position: i64) -> Option<&'a Event> {
+        self.events.and_then(|events| events.event_at(position))
+    }
+
+    /// Up to [`READ_AHEAD`] of the flow's rows from `next_seq` on.
+    fn read(
+        &self,
+        held: &mut Held<'_>,
+        flow_id: &str,
+        next_seq: u64,
+    ) -> Result<std::collections::VecDeque<(RawInbox, i64)>> {
+        let sql = if self.events.is_some() { INBOX_AHEAD_BARE_SQL } else { INBOX_AHEAD_SQL };
+        let mut rows: std::collections::VecDeque<(RawInbox, i64)> = held
+            .get(sql)?
+            .query_map(params![flow_id, next_seq, READ_AHEAD as i64], |r| {
+                Ok((raw_inbox(r)?, r.get::<_, i64>(10)?))
+            })?
+            .collect::<rusqlite::Result<_>>()?;
+        if self.events.is_some() {
+            for (raw, position) in &mut rows {
+                if self.event_at(*position).is_some() {
+                    // Never read: the step takes the batch's event.
+                    raw.body = Some(String::new());
+                } else {
+                    raw.body = held
+                        .get("SELECT body FROM inbox_body WHERE position = ?1")?
+                        .query_row([*position], |r| r.get(0))
+                        .optional()?;
+                }
+            }
+        }
+        Ok(rows)
+    }
+
     /// What [`next_row_with`] would read now. A row at `next_seq` is taken; a gap (or the
     /// inconsistency of an applied row) forgets the flow's rows. Rows below `next_seq` (never
     /// left by a step that applied its row) are read again rather than trusted.
@@ -1448,12 +1533,7 @@ impl Ahead {
             flow_id.clone_into(&mut self.flow_id);
         }
         if self.rows.is_empty() && !self.complete {
-            self.rows = held
-                .get(INBOX_AHEAD_SQL)?
-                .query_map(params![flow_id, next_seq, READ_AHEAD as i64], |r| {
-                    Ok((raw_inbox(r)?, r.get::<_, i64>(10)?))
-                })?
-                .collect::<rusqlite::Result<_>>()?;
+            self.rows = self.read(held, flow_id, next_seq)?;
             self.complete = self.rows.len() < READ_AHEAD;
         }
         let Some((raw, position)) = self.rows.pop_front() else { return Ok((Next::Idle, 0)) };
@@ -2301,12 +2381,17 @@ mod tests {
     fn the_next_row_is_one_seek_of_the_flow_seq_key() {
         let dir = tempfile::tempdir().unwrap();
         let conn = open(&dir.path().join("c.db")).unwrap();
-        let plan = plan(&conn, INBOX_FROM_SEQ_SQL, params!["A", 1]);
-        assert!(
-            plan.contains("SEARCH i USING INDEX sqlite_autoindex_inbox_2 (flow_id=? AND seq>?)"),
-            "{plan}"
-        );
-        assert!(!plan.contains("TEMP B-TREE"), "{plan}");
+        let plans = [
+            ("from seq", plan(&conn, INBOX_FROM_SEQ_SQL, params!["A", 1])),
+            ("ahead, bare", plan(&conn, INBOX_AHEAD_BARE_SQL, params!["A", 1, 4])),
+        ];
+        for (name, plan) in plans {
+            assert!(
+                plan.contains("SEARCH i USING INDEX sqlite_autoindex_inbox_2 (flow_id=? AND seq>?)"),
+                "{name}: {plan}"
+            );
+            assert!(!plan.contains("TEMP B-TREE"), "{name}: {plan}");
+        }
     }
 
     #[test]

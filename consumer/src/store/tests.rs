@@ -308,6 +308,75 @@ async fn blocked_rows_wait_for_the_v2_decoder_and_keep_their_bodies() {
     }
 }
 
+/// Auto-apply's path: the flows a batch touched, applied with the batch's events
+/// ([`BatchEvents`]). Rows the batch holds (accepted, and a duplicate of an earlier row) and
+/// rows stored before it (which the step reads) end exactly as with a plain apply: in seq
+/// order, blocked on a schema the consumer cannot read, stopped at a gap.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_applied_with_its_events_ends_as_a_plain_apply() {
+    for (store, _keep) in stores("c_apply_received").await {
+        let b = store.backend();
+        // Stored before the batch: A1 (applied by the batch's run), B3 (past B's gap), C1.
+        for e in [reference("A", 1), reference("B", 3), reference("C", 1)] {
+            receive(&store, e).await;
+        }
+        let stream = Arc::new(StreamState::default());
+        let held = [
+            reference("A", 2),
+            reference("A", 3),
+            reference("C", 1),
+            event("C2", "C", 2, "confirmed", 2, r#"{"units":3}"#),
+            reference("B", 1),
+        ];
+        let incoming: Vec<Incoming> = held
+            .iter()
+            .map(|e| Incoming { event: e.clone(), committed_at_us: None, stream: Arc::clone(&stream) })
+            .collect();
+        let incoming = Arc::new(incoming);
+        let answers = store.receive_batch(Arc::clone(&incoming), ctx(Admission::Unlimited)).await;
+        let outcomes: Vec<_> =
+            answers.iter().map(|a| a.clone().and_then(Result::ok).map(|r| r.outcome)).collect();
+        assert_eq!(
+            outcomes,
+            [
+                Some(ReceiveOutcome::Accepted),
+                Some(ReceiveOutcome::Accepted),
+                Some(ReceiveOutcome::Duplicate),
+                Some(ReceiveOutcome::Accepted),
+                Some(ReceiveOutcome::Accepted),
+            ],
+            "{b}"
+        );
+        let events = BatchEvents::new(Arc::clone(&incoming), &answers);
+        let flows = ["A", "B", "C"].map(str::to_owned).to_vec();
+        let results = store.apply_received(flows, events, 1000, ApplyOptions::default()).await;
+        let reports: Vec<_> = results.into_iter().map(|r| r.outcome.unwrap()).collect();
+        assert_eq!(
+            (reports[0].applied.as_slice(), &reports[0].stop),
+            (&["A1", "A2", "A3"].map(String::from)[..], &Stop::Idle),
+            "{b}"
+        );
+        assert_eq!(reports[0].projection.state, FlowState::Released, "{b}");
+        assert_eq!(
+            (reports[1].applied.as_slice(), &reports[1].stop),
+            (&["B1".to_owned()][..], &Stop::Gap { waiting_for_seq: 2 }),
+            "{b}"
+        );
+        assert_eq!(reports[2].applied, ["C1"], "{b}");
+        assert!(
+            matches!(&reports[2].stop, Stop::Blocked { event_id, reason: BlockReason::UnsupportedSchema, .. } if event_id == "C2"),
+            "{b}: {:?}",
+            reports[2].stop
+        );
+        let view = store.flow("A".into()).await.unwrap();
+        assert_eq!(view.effects.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3], "{b}");
+        assert_eq!(view.inbox[1].body, reference("A", 2).canonical_body(), "{b}");
+        // B3 and C2 wait: one flow at a gap, one blocked.
+        assert_eq!(store.unapplied_count().await.unwrap(), 2, "{b}");
+        assert_exact(&store, "after the batch's apply").await;
+    }
+}
+
 /// A flow named twice in one call, with rows past its last valid step, and a flow with a
 /// gap: each run of a flow finds what the one before left (the rows an apply transaction
 /// reads ahead are not carried from one run to the next), whatever the batch size.
