@@ -122,7 +122,12 @@ async fn write_batch(store: &ConsumerStore, jobs: Vec<ReceiveJob>, opts: WriterO
         });
     }
     let incoming = Arc::new(incoming);
-    let ctx = ReceiveContext { crash: opts.apply.crash, admission: opts.admission, storage: opts.storage() };
+    let ctx = ReceiveContext {
+        crash: opts.apply.crash,
+        admission: opts.admission,
+        storage: opts.storage(),
+        applied_next: opts.auto_apply,
+    };
     let answers = store.receive_batch(Arc::clone(&incoming), ctx).await;
     let committed = started.elapsed();
     RECEIVE_BATCHES.record_timed(batch_len, started);

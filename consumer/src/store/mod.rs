@@ -446,6 +446,9 @@ pub struct ReceiveContext {
     pub admission: Admission,
     /// Checked before the commit and told its outcome (none in unit tests).
     pub storage: Option<&'static StorageWatch>,
+    /// The batch is applied right after its commit (auto-apply): the store may keep what
+    /// its transaction learnt of the flows for that apply.
+    pub applied_next: bool,
 }
 
 /// The consumer's store: consumer.db on SQLite or the `ordered_events_consumer` schema on

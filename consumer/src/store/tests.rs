@@ -81,7 +81,7 @@ fn reference(flow: &str, seq: u64) -> Event {
 }
 
 fn ctx(admission: Admission) -> ReceiveContext {
-    ReceiveContext { crash: CrashSwitch::default(), admission, storage: None }
+    ReceiveContext { crash: CrashSwitch::default(), admission, storage: None, applied_next: false }
 }
 
 /// One batch of events on one stream each (or `stream` for all when given).
@@ -308,58 +308,66 @@ async fn blocked_rows_wait_for_the_v2_decoder_and_keep_their_bodies() {
     }
 }
 
+/// One batch on one stream, received as auto-apply receives it (to be applied next): the
+/// outcomes (`None` for a failed envelope) and the batch's events.
+async fn receive_to_apply(
+    store: &ConsumerStore,
+    events: &[Event],
+) -> (Vec<Option<ReceiveOutcome>>, BatchEvents) {
+    let stream = Arc::new(StreamState::default());
+    let incoming: Vec<Incoming> = events
+        .iter()
+        .map(|e| Incoming { event: e.clone(), committed_at_us: Some(7), stream: Arc::clone(&stream) })
+        .collect();
+    let incoming = Arc::new(incoming);
+    let applied_next = ReceiveContext { applied_next: true, ..ctx(Admission::Unlimited) };
+    let answers = store.receive_batch(Arc::clone(&incoming), applied_next).await;
+    let outcomes = answers.iter().map(|a| a.clone().and_then(Result::ok).map(|r| r.outcome)).collect();
+    (outcomes, BatchEvents::new(incoming, &answers))
+}
+
 /// Auto-apply's path: the flows a batch touched, applied with the batch's events
-/// ([`BatchEvents`]). Rows the batch holds (accepted, and a duplicate of an earlier row) and
-/// rows stored before it (which the step reads) end exactly as with a plain apply: in seq
-/// order, blocked on a schema the consumer cannot read, stopped at a gap.
+/// ([`BatchEvents`]) and, on SQLite, with what the batch's transaction knew of them. Rows
+/// the batch holds (accepted, and a duplicate of an earlier row), rows stored before it
+/// (which the step reads), and flows whose every unapplied row is the batch's (new ones,
+/// one applied before, one interleaved with others) end exactly as with a plain apply: in
+/// seq order, blocked on a schema the consumer cannot read, stopped at a gap, counted.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_batch_applied_with_its_events_ends_as_a_plain_apply() {
     for (store, _keep) in stores("c_apply_received").await {
         let b = store.backend();
-        // Stored before the batch: A1 (applied by the batch's run), B3 (past B's gap), C1.
-        for e in [reference("A", 1), reference("B", 3), reference("C", 1)] {
+        let v1 = ApplyOptions::default();
+        // Stored before the batch: A1 (applied by the batch's run), B3 (past B's gap), C1,
+        // and E1, applied.
+        for e in [reference("A", 1), reference("B", 3), reference("C", 1), reference("E", 1)] {
             receive(&store, e).await;
         }
-        let stream = Arc::new(StreamState::default());
-        let held = [
+        assert_eq!(apply(&store, "E", 10, v1).await.applied, ["E1"], "{b}");
+        let batch = [
             reference("A", 2),
+            reference("D", 1),
             reference("A", 3),
             reference("C", 1),
+            reference("D", 2),
             event("C2", "C", 2, "confirmed", 2, r#"{"units":3}"#),
+            reference("E", 3),
             reference("B", 1),
+            reference("E", 2),
+            reference("D", 3),
         ];
-        let incoming: Vec<Incoming> = held
-            .iter()
-            .map(|e| Incoming { event: e.clone(), committed_at_us: None, stream: Arc::clone(&stream) })
-            .collect();
-        let incoming = Arc::new(incoming);
-        let answers = store.receive_batch(Arc::clone(&incoming), ctx(Admission::Unlimited)).await;
-        let outcomes: Vec<_> =
-            answers.iter().map(|a| a.clone().and_then(Result::ok).map(|r| r.outcome)).collect();
-        assert_eq!(
-            outcomes,
-            [
-                Some(ReceiveOutcome::Accepted),
-                Some(ReceiveOutcome::Accepted),
-                Some(ReceiveOutcome::Duplicate),
-                Some(ReceiveOutcome::Accepted),
-                Some(ReceiveOutcome::Accepted),
-            ],
-            "{b}"
-        );
-        let events = BatchEvents::new(Arc::clone(&incoming), &answers);
-        let flows = ["A", "B", "C"].map(str::to_owned).to_vec();
-        let results = store.apply_received(flows, events, 1000, ApplyOptions::default()).await;
+        let (outcomes, events) = receive_to_apply(&store, &batch).await;
+        let mut expected = vec![Some(ReceiveOutcome::Accepted); batch.len()];
+        expected[3] = Some(ReceiveOutcome::Duplicate);
+        assert_eq!(outcomes, expected, "{b}");
+        let flows = ["A", "B", "C", "D", "E"].map(str::to_owned).to_vec();
+        let results = store.apply_received(flows, events, 1000, v1).await;
         let reports: Vec<_> = results.into_iter().map(|r| r.outcome.unwrap()).collect();
-        assert_eq!(
-            (reports[0].applied.as_slice(), &reports[0].stop),
-            (&["A1", "A2", "A3"].map(String::from)[..], &Stop::Idle),
-            "{b}"
-        );
+        let ids = |ids: &[&str]| ids.iter().map(|id| id.to_string()).collect::<Vec<_>>();
+        assert_eq!((&reports[0].applied, &reports[0].stop), (&ids(&["A1", "A2", "A3"]), &Stop::Idle), "{b}");
         assert_eq!(reports[0].projection.state, FlowState::Released, "{b}");
         assert_eq!(
-            (reports[1].applied.as_slice(), &reports[1].stop),
-            (&["B1".to_owned()][..], &Stop::Gap { waiting_for_seq: 2 }),
+            (&reports[1].applied, &reports[1].stop),
+            (&ids(&["B1"]), &Stop::Gap { waiting_for_seq: 2 }),
             "{b}"
         );
         assert_eq!(reports[2].applied, ["C1"], "{b}");
@@ -368,12 +376,52 @@ async fn a_batch_applied_with_its_events_ends_as_a_plain_apply() {
             "{b}: {:?}",
             reports[2].stop
         );
-        let view = store.flow("A".into()).await.unwrap();
-        assert_eq!(view.effects.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3], "{b}");
-        assert_eq!(view.inbox[1].body, reference("A", 2).canonical_body(), "{b}");
+        assert_eq!((&reports[3].applied, &reports[3].stop), (&ids(&["D1", "D2", "D3"]), &Stop::Idle), "{b}");
+        assert_eq!((&reports[4].applied, &reports[4].stop), (&ids(&["E2", "E3"]), &Stop::Idle), "{b}");
+        for flow in ["A", "D", "E"] {
+            let view = store.flow(flow.into()).await.unwrap();
+            assert_eq!(view.effects.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3], "{b} {flow}");
+            assert_eq!(view.projection.state, FlowState::Released, "{b} {flow}");
+            assert_eq!(view.inbox[1].body, reference(flow, 2).canonical_body(), "{b} {flow}");
+        }
+        let d2 = &store.flow("D".into()).await.unwrap().inbox[1];
+        assert_eq!((d2.state, d2.committed_at_us), (InboxState::Applied, Some(7)), "{b}");
         // B3 and C2 wait: one flow at a gap, one blocked.
         assert_eq!(store.unapplied_count().await.unwrap(), 2, "{b}");
         assert_exact(&store, "after the batch's apply").await;
+    }
+}
+
+/// What a Receive transaction knew is used only while nothing was written after it: here an
+/// applier without the v2 decoder blocks the batch's row in between (through the same store,
+/// then through another store on the same database, as a second process would), and the
+/// batch's apply, with the decoder, applies it. Taken as known, the row would have been
+/// pending: its blocked count would never come down, and the counts would drift.
+#[tokio::test(flavor = "multi_thread")]
+async fn what_a_batch_knew_is_not_taken_after_another_write() {
+    for (store, _keep) in stores("c_apply_received_stale").await {
+        let b = store.backend();
+        let (v1, v2) =
+            (ApplyOptions::default(), ApplyOptions { support_v2: true, ..ApplyOptions::default() });
+        let other = match &store {
+            ConsumerStore::Sqlite(s) => {
+                ConsumerStore::open(&DbTarget::Sqlite(s.path().to_owned())).await.unwrap()
+            }
+            ConsumerStore::Postgres(_) => store.clone(),
+        };
+        for (flow, applier) in [("H", &store), ("K", &other)] {
+            let v2_row = event(&format!("{flow}1"), flow, 1, "reserved", 2, r#"{"units":3}"#);
+            let (outcomes, events) = receive_to_apply(&store, &[v2_row]).await;
+            assert_eq!(outcomes, [Some(ReceiveOutcome::Accepted)], "{b} {flow}");
+            let blocked = apply(applier, flow, 10, v1).await;
+            assert!(matches!(blocked.stop, Stop::Blocked { .. }), "{b} {flow}: {:?}", blocked.stop);
+            assert_eq!(store.backlog_counts().await.unwrap().blocked[0], 1, "{b} {flow}");
+            let results = store.apply_received(vec![flow.to_owned()], events, 1000, v2).await;
+            let report = results[0].outcome.as_ref().unwrap();
+            assert_eq!((report.applied.len(), &report.stop), (1, &Stop::Idle), "{b} {flow}");
+            let counts = assert_exact(&store, &format!("after {flow}")).await;
+            assert_eq!((counts.ready, counts.gap, counts.blocked), (0, 0, [0; 3]), "{b} {flow}");
+        }
     }
 }
 
