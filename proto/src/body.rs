@@ -94,6 +94,29 @@ impl Event {
         }
     }
 
+    /// The envelope of a stored canonical body: `Event::from_canonical_body(body)` and then
+    /// [`Event::to_envelope`], without building the event. A body in exactly the canonical
+    /// layout gives its payload's text as it is (checked as the fast path of
+    /// `from_canonical_body` checks it, so the same bodies pass and the text is what
+    /// `to_envelope` would write); anything else takes that same general path. The relay
+    /// sends every stored body so (~1k instructions per event saved, callgrind, bench).
+    pub fn envelope_from_canonical_body(body: &str) -> Result<pb::EventEnvelope, String> {
+        if let Some(parts) = canonical_layout(body) {
+            if crate::limits::parse_canonical_payload(parts.payload).is_some() {
+                return Ok(pb::EventEnvelope {
+                    event_id: parts.event_id.to_owned(),
+                    flow_id: parts.flow_id.to_owned(),
+                    seq: parts.seq,
+                    kind: parts.kind.to_owned(),
+                    schema: parts.schema,
+                    payload_json: parts.payload.to_owned(),
+                    committed_at_us: None,
+                });
+            }
+        }
+        Event::from_any_body(body).map(|event| event.to_envelope())
+    }
+
     /// [`Event::from_canonical_body`] through the general JSON parser.
     fn from_any_body(body: &str) -> Result<Event, String> {
         #[derive(Deserialize)]
@@ -125,6 +148,32 @@ impl Event {
 /// position: `None` for anything else (whitespace, an escaped character in a name, another
 /// key order, a payload the transport limits refuse), which the general parser then decides.
 fn from_canonical_layout(body: &str) -> Option<Event> {
+    let parts = canonical_layout(body)?;
+    // Only a payload already in canonical form (what the general parser's re-serialization
+    // would hand over): a hand-edited `-0` or extra space takes the general path.
+    let payload = crate::limits::parse_canonical_payload(parts.payload)?;
+    Some(Event {
+        event_id: parts.event_id.to_owned(),
+        flow_id: parts.flow_id.to_owned(),
+        seq: parts.seq,
+        kind: parts.kind.to_owned(),
+        schema: parts.schema,
+        payload,
+    })
+}
+
+/// The fields of a body in the canonical layout, the payload as its text (not checked).
+struct CanonicalParts<'a> {
+    event_id: &'a str,
+    flow_id: &'a str,
+    kind: &'a str,
+    payload: &'a str,
+    schema: u32,
+    seq: u64,
+}
+
+/// [`from_canonical_layout`]'s reading by position, before the payload is parsed.
+fn canonical_layout(body: &str) -> Option<CanonicalParts<'_>> {
     let rest = body.strip_prefix("{\"event_id\":")?;
     let (event_id, rest) = plain_string(rest)?;
     let rest = rest.strip_prefix(",\"flow_id\":")?;
@@ -136,20 +185,10 @@ fn from_canonical_layout(body: &str) -> Option<Event> {
     // may be named `schema`, but it comes before them).
     let (rest, seq) = trailing_digits(rest.strip_suffix('}')?);
     let (rest, schema) = trailing_digits(rest.strip_suffix(",\"seq\":")?);
-    let payload_text = rest.strip_suffix(",\"schema\":")?;
+    let payload = rest.strip_suffix(",\"schema\":")?;
     let schema = plain_number(schema)?.try_into().ok()?;
     let seq = plain_number(seq)?;
-    // Only a payload already in canonical form (what the general parser's re-serialization
-    // would hand over): a hand-edited `-0` or extra space takes the general path.
-    let payload = crate::limits::parse_canonical_payload(payload_text)?;
-    Some(Event {
-        event_id: event_id.to_owned(),
-        flow_id: flow_id.to_owned(),
-        seq,
-        kind: kind.to_owned(),
-        schema,
-        payload,
-    })
+    Some(CanonicalParts { event_id, flow_id, kind, payload, schema, seq })
 }
 
 /// A JSON string at the start of `text` with nothing escaped (no `\\`, no control
@@ -299,6 +338,11 @@ mod tests {
         ];
         for body in &bodies {
             assert_eq!(Event::from_canonical_body(body), Event::from_any_body(body), "{body}");
+            assert_eq!(
+                Event::envelope_from_canonical_body(body),
+                Event::from_any_body(body).map(|e| e.to_envelope()),
+                "{body}"
+            );
         }
         // The fast path took the canonical ones without an escape, and only those (a payload
         // string with an escaped quote is canonical too, but the general parser reads it).

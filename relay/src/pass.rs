@@ -327,10 +327,10 @@ async fn send_queued(
         }
         // Under leases: a row of a partition lost since the page was read is not ours.
         let Ok(fence) = ledger.fence_for(&row, judged) else { continue };
-        let envelope = match Event::from_canonical_body(&row.body) {
+        let envelope = match Event::envelope_from_canonical_body(&row.body) {
             // The committed time rides beside the event (never in its body), so the
             // consumer can measure commit→applied.
-            Ok(event) => pb::EventEnvelope { committed_at_us: row.committed_at_us, ..event.to_envelope() },
+            Ok(envelope) => pb::EventEnvelope { committed_at_us: row.committed_at_us, ..envelope },
             Err(e) => {
                 // Only a hand-edited file gets here; never send what we cannot read.
                 tracing::error!(event_id = %row.event_id, error = %e, "unreadable outbox body; flow skipped");

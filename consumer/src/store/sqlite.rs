@@ -4,6 +4,7 @@
 //! invariants: a stored body never changes, and a flow's effects are a contiguous prefix of
 //! its seqs, each applied once. Work runs on blocking threads, never the async runtime's.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -575,7 +576,8 @@ fn receive_in_tx(
     let mut unapplied = Unapplied::default();
     let mut held = Held::new(&tx);
     let mut results = Vec::with_capacity(jobs.len());
-    let mut flows = ctx.applied_next.then(ReceivedFlows::default);
+    // Sized for the batch: a map grown row by row rehashes as it goes.
+    let mut flows = ctx.applied_next.then(|| ReceivedFlows { flows: HashMap::with_capacity(jobs.len()) });
     for job in jobs {
         if job.stream.failed() {
             results.push(None);
@@ -678,9 +680,8 @@ struct Settled {
 /// read of the flow's facts (after its first row's insert) found no other unapplied row, so
 /// that its unapplied rows are exactly the rows the transaction itself stored (all pending,
 /// their events held by the batch); `None` otherwise.
-#[derive(Default)]
 struct ReceivedFlows {
-    flows: std::collections::HashMap<String, ReceivedFlow>,
+    flows: HashMap<String, ReceivedFlow>,
 }
 
 struct ReceivedFlow {
