@@ -308,16 +308,24 @@ async fn blocked_rows_wait_for_the_v2_decoder_and_keep_their_bodies() {
     }
 }
 
-/// One batch on one stream, received as auto-apply receives it (to be applied next): the
-/// outcomes (`None` for a failed envelope) and the batch's events.
+/// A committed time an hour ahead: kept beside the row, never measured at apply (the
+/// commit→applied histogram is global, and a test that counts it runs beside these).
+fn from_the_future() -> Option<i64> {
+    Some(runtime::now_us() + 3_600_000_000)
+}
+
+/// One batch on one stream, received as auto-apply receives it (to be applied next), the
+/// rows committed at `committed_at_us`: the outcomes (`None` for a failed envelope) and the
+/// batch's events.
 async fn receive_to_apply(
     store: &ConsumerStore,
     events: &[Event],
+    committed_at_us: Option<i64>,
 ) -> (Vec<Option<ReceiveOutcome>>, BatchEvents) {
     let stream = Arc::new(StreamState::default());
     let incoming: Vec<Incoming> = events
         .iter()
-        .map(|e| Incoming { event: e.clone(), committed_at_us: Some(7), stream: Arc::clone(&stream) })
+        .map(|e| Incoming { event: e.clone(), committed_at_us, stream: Arc::clone(&stream) })
         .collect();
     let incoming = Arc::new(incoming);
     let applied_next = ReceiveContext { applied_next: true, ..ctx(Admission::Unlimited) };
@@ -355,7 +363,8 @@ async fn a_batch_applied_with_its_events_ends_as_a_plain_apply() {
             reference("E", 2),
             reference("D", 3),
         ];
-        let (outcomes, events) = receive_to_apply(&store, &batch).await;
+        let committed_at_us = from_the_future();
+        let (outcomes, events) = receive_to_apply(&store, &batch, committed_at_us).await;
         let mut expected = vec![Some(ReceiveOutcome::Accepted); batch.len()];
         expected[3] = Some(ReceiveOutcome::Duplicate);
         assert_eq!(outcomes, expected, "{b}");
@@ -385,7 +394,7 @@ async fn a_batch_applied_with_its_events_ends_as_a_plain_apply() {
             assert_eq!(view.inbox[1].body, reference(flow, 2).canonical_body(), "{b} {flow}");
         }
         let d2 = &store.flow("D".into()).await.unwrap().inbox[1];
-        assert_eq!((d2.state, d2.committed_at_us), (InboxState::Applied, Some(7)), "{b}");
+        assert_eq!((d2.state, d2.committed_at_us), (InboxState::Applied, committed_at_us), "{b}");
         // B3 and C2 wait: one flow at a gap, one blocked.
         assert_eq!(store.unapplied_count().await.unwrap(), 2, "{b}");
         assert_exact(&store, "after the batch's apply").await;
@@ -411,7 +420,7 @@ async fn what_a_batch_knew_is_not_taken_after_another_write() {
         };
         for (flow, applier) in [("H", &store), ("K", &other)] {
             let v2_row = event(&format!("{flow}1"), flow, 1, "reserved", 2, r#"{"units":3}"#);
-            let (outcomes, events) = receive_to_apply(&store, &[v2_row]).await;
+            let (outcomes, events) = receive_to_apply(&store, &[v2_row], None).await;
             assert_eq!(outcomes, [Some(ReceiveOutcome::Accepted)], "{b} {flow}");
             let blocked = apply(applier, flow, 10, v1).await;
             assert!(matches!(blocked.stop, Stop::Blocked { .. }), "{b} {flow}: {:?}", blocked.stop);
