@@ -529,7 +529,9 @@ impl ConsumerStore {
     }
 
     /// [`ConsumerStore::apply_flows`] right after the Receive batch that holds `events`
-    /// (auto-apply): a step whose row the batch stored takes its event from `events`.
+    /// (auto-apply). On SQLite a step whose row the batch stored takes its event from
+    /// `events`, and a flow whose every unapplied row the batch's transaction stored reads
+    /// nothing before its steps, when nothing was written since that commit.
     pub async fn apply_received(
         &self,
         flows: Vec<String>,
@@ -539,7 +541,7 @@ impl ConsumerStore {
     ) -> Vec<FlowResult> {
         match self {
             ConsumerStore::Sqlite(s) => s.apply_received(flows, events, max_steps, opts).await,
-            // PostgreSQL reads a flow's rows with their bodies in the same statement either way.
+            // PostgreSQL keeps a row's body in the row it reads anyway (not measured further).
             ConsumerStore::Postgres(p) => p.apply_flows(flows, max_steps, opts).await,
         }
     }
