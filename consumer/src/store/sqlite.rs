@@ -1587,7 +1587,7 @@ const INBOX_AHEAD_BARE_SQL: &str =
 /// step took a seek each and one more to find the flow idle (~9k instructions per read,
 /// callgrind, bench). Only the apply transaction writes while it holds the write lock, and
 /// a step writes only the row it took, so the rows still here are as stored. Forgotten when
-/// the flow stops and with the transaction (it lives in one [`apply_in_tx`]).
+/// the flow stops and with the transaction (one per transaction of [`apply_flows`]).
 ///
 /// With the events of the Receive batch being applied (auto-apply, [`BatchEvents`]), the
 /// rows are read without their bodies: a row the batch holds is never given its body (its
