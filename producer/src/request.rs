@@ -39,8 +39,9 @@ impl AdvanceCommand {
     }
 }
 
-/// Checks every field; the error names the field and the limit.
-pub fn validate(req: &pb::AdvanceRequest) -> Result<AdvanceCommand, LimitError> {
+/// Checks every field; the error names the field and the limit. Takes the request so that
+/// its ids move into the command instead of being copied.
+pub fn validate(req: pb::AdvanceRequest) -> Result<AdvanceCommand, LimitError> {
     check_token("flow_id", &req.flow_id, MAX_ID_BYTES)?;
     check_token("event_id", &req.event_id, MAX_ID_BYTES)?;
     let kind = Kind::parse(&req.kind).ok_or_else(|| LimitError {
@@ -66,8 +67,8 @@ pub fn validate(req: &pb::AdvanceRequest) -> Result<AdvanceCommand, LimitError> 
         });
     }
     Ok(AdvanceCommand {
-        flow_id: req.flow_id.clone(),
-        event_id: req.event_id.clone(),
+        flow_id: req.flow_id,
+        event_id: req.event_id,
         expected_seq: req.expected_seq,
         kind,
         schema: req.schema,
@@ -92,13 +93,13 @@ mod tests {
 
     #[test]
     fn valid_request_builds_the_event() {
-        let cmd = validate(&req()).unwrap();
+        let cmd = validate(req()).unwrap();
         assert_eq!(
             cmd.event().canonical_body(),
             r#"{"event_id":"A1","flow_id":"A","kind":"reserved","payload":{"amount":3},"schema":1,"seq":1}"#
         );
         let v2 =
-            validate(&pb::AdvanceRequest { schema: 2, expected_seq: 1, kind: "confirmed".into(), ..req() })
+            validate(pb::AdvanceRequest { schema: 2, expected_seq: 1, kind: "confirmed".into(), ..req() })
                 .unwrap();
         assert_eq!(
             v2.event().canonical_body(),
@@ -108,7 +109,7 @@ mod tests {
 
     #[test]
     fn malformed_fields_are_named() {
-        let field = |r: pb::AdvanceRequest| validate(&r).unwrap_err().field;
+        let field = |r: pb::AdvanceRequest| validate(r).unwrap_err().field;
         assert_eq!(field(pb::AdvanceRequest { flow_id: String::new(), ..req() }), "flow_id");
         assert_eq!(field(pb::AdvanceRequest { event_id: "x".repeat(129), ..req() }), "event_id");
         assert_eq!(field(pb::AdvanceRequest { kind: "teleported".into(), ..req() }), "kind");
@@ -118,6 +119,6 @@ mod tests {
         assert_eq!(field(pb::AdvanceRequest { amount: -3, ..req() }), "amount");
         assert_eq!(field(pb::AdvanceRequest { amount: MAX_AMOUNT + 1, ..req() }), "amount");
         assert_eq!(field(pb::AdvanceRequest { expected_seq: u64::MAX, ..req() }), "expected_seq");
-        assert!(validate(&pb::AdvanceRequest { amount: MAX_AMOUNT, ..req() }).is_ok());
+        assert!(validate(pb::AdvanceRequest { amount: MAX_AMOUNT, ..req() }).is_ok());
     }
 }

@@ -71,16 +71,16 @@ pub async fn run(
     runtime::serve_authenticated(listener, svc, shutdown, settings, None).await
 }
 
-fn event_pb(row: &OutboxRecord) -> pb::StoredEvent {
+fn event_pb(row: OutboxRecord) -> pb::StoredEvent {
     pb::StoredEvent {
-        event_id: row.event_id.clone(),
-        flow_id: row.flow_id.clone(),
+        body_sha256: tombstone_digest(&row),
+        event_id: row.event_id,
+        flow_id: row.flow_id,
         seq: row.seq,
-        kind: row.kind.clone(),
+        kind: row.kind,
         schema: row.schema,
-        body: row.body.clone(),
+        body: row.body,
         compacted: row.compacted,
-        body_sha256: tombstone_digest(row),
     }
 }
 
@@ -145,7 +145,11 @@ impl pb::producer_server::Producer for ProducerService {
         request: Request<pb::AdvanceRequest>,
     ) -> Result<Response<pb::AdvanceResponse>, Status> {
         let req = request.into_inner();
-        let cmd = request::validate(&req).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let expected_seq = req.expected_seq;
+        // The ids move into the command; the debug line below gets copies only when it is on.
+        let ids =
+            tracing::enabled!(tracing::Level::DEBUG).then(|| (req.flow_id.clone(), req.event_id.clone()));
+        let cmd = request::validate(req).map_err(|e| Status::invalid_argument(e.to_string()))?;
         let started = std::time::Instant::now();
         let counted = |index: usize| {
             metrics::ADVANCE_OUTCOMES.inc(index);
@@ -158,13 +162,16 @@ impl pb::producer_server::Producer for ProducerService {
                 outbox_full(unaccepted)
             })?;
         counted(outcome_index(outcome));
-        tracing::debug!(flow_id = %req.flow_id, event_id = %req.event_id, outcome = ?reply.outcome, "advance");
+        if let Some((flow_id, event_id)) = ids {
+            tracing::debug!(%flow_id, %event_id, outcome = ?reply.outcome, "advance");
+        }
+        let detail = detail(&reply, expected_seq);
         Ok(Response::new(pb::AdvanceResponse {
             outcome: outcome as i32,
             seq: reply.flow.seq,
             state: reply.flow.state.as_str().to_owned(),
-            event: reply.event.as_ref().map(event_pb),
-            detail: detail(&reply, req.expected_seq),
+            event: reply.event.map(event_pb),
+            detail,
         }))
     }
 

@@ -736,15 +736,21 @@ pub fn flow_record(conn: &Connection, flow_id: &str) -> Result<FlowRecord, Store
 }
 
 fn flow_record_with(held: &mut Held<'_>, flow_id: &str) -> Result<FlowRecord, StoreError> {
+    // The state is parsed where it lies (no String per read); an unknown one is kept as
+    // text only for the error.
     let row = held
         .get("SELECT seq, state, amount FROM flow WHERE flow_id = ?1")?
-        .query_row([flow_id], |r| Ok((r.get::<_, u64>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?)))
+        .query_row([flow_id], |r| {
+            let state = r.get_ref(1)?.as_str()?;
+            let state = FlowState::parse(state).ok_or_else(|| state.to_owned());
+            Ok((r.get::<_, u64>(0)?, state, r.get::<_, i64>(2)?))
+        })
         .optional()?;
     match row {
         None => Ok(FlowRecord::NEW),
         Some((seq, state, amount)) => {
-            let state = FlowState::parse(&state)
-                .ok_or_else(|| StoreError::Corrupt(format!("flow {flow_id}: unknown state {state:?}")))?;
+            let state = state
+                .map_err(|state| StoreError::Corrupt(format!("flow {flow_id}: unknown state {state:?}")))?;
             Ok(FlowRecord { seq, state, amount })
         }
     }
@@ -1115,7 +1121,7 @@ mod tests {
     use proto::pb;
 
     fn cmd(event: &str, expected: u64, kind: &str, schema: u32, amount: i64) -> AdvanceCommand {
-        validate(&pb::AdvanceRequest {
+        validate(pb::AdvanceRequest {
             flow_id: "A".into(),
             event_id: event.into(),
             expected_seq: expected,
@@ -1128,7 +1134,7 @@ mod tests {
 
     /// A schema 1 step of `flow` with amount 3 (also the writer's tests').
     pub(super) fn step_of(flow: &str, event: &str, expected: u64, kind: &str) -> AdvanceCommand {
-        validate(&pb::AdvanceRequest {
+        validate(pb::AdvanceRequest {
             flow_id: flow.into(),
             event_id: event.into(),
             expected_seq: expected,
@@ -1472,6 +1478,23 @@ mod tests {
 
     /// The relay marks a row by the key its page read, and only while that row still holds
     /// the answer's event id: a key of another row marks nothing accepted.
+    #[test]
+    fn a_flow_in_an_unknown_state_is_reported_with_that_state() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut conn = open(&dir.path().join("producer.db"), OpenMode::Create).unwrap();
+        run(&mut conn, &cmd("A1", 0, "reserved", 1, 3));
+        // Only a hand-edited file gets here: the CHECK refuses it otherwise.
+        conn.execute_batch(
+            "PRAGMA ignore_check_constraints = ON; UPDATE flow SET state = 'lost' WHERE flow_id = 'A';",
+        )
+        .unwrap();
+        match flow_record(&conn, "A") {
+            Err(StoreError::Corrupt(message)) => assert_eq!(message, r#"flow A: unknown state "lost""#),
+            other => panic!("expected Corrupt, got {other:?}"),
+        }
+        assert_eq!(flow_record(&conn, "B").unwrap(), FlowRecord::NEW);
+    }
+
     #[test]
     fn a_mark_by_row_key_still_requires_its_event_id() {
         let dir = tempfile::tempdir().unwrap();

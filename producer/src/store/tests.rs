@@ -14,7 +14,7 @@ const KIND_PG_VERSION: i32 = PG_KIND.version;
 use crate::request::validate;
 
 fn cmd_on(flow: &str, event: &str, expected: u64, kind: &str, schema: u32, amount: i64) -> AdvanceCommand {
-    validate(&pb::AdvanceRequest {
+    validate(pb::AdvanceRequest {
         flow_id: flow.into(),
         event_id: event.into(),
         expected_seq: expected,
