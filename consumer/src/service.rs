@@ -6,6 +6,7 @@
 use std::future::Future;
 use std::sync::Arc;
 
+use proto::body::Event;
 use proto::crash::CrashSwitch;
 use proto::pb;
 use proto::target::DbTarget;
@@ -225,14 +226,22 @@ impl ConsumerService {
                     }
                 },
             };
-            let next = match proto::limits::check_envelope(&envelope) {
+            let next = match proto::limits::check_envelope_payload(&envelope) {
                 Err(limit) => Pending::Ready(Ok(pb::ReceiveResult {
                     event_id: envelope.event_id,
                     outcome: pb::ReceiveOutcome::Rejected as i32,
                     detail: limit.to_string(),
                     inbox_position: 0,
                 })),
-                Ok(event) => {
+                Ok(payload) => {
+                    let event = Event {
+                        event_id: envelope.event_id,
+                        flow_id: envelope.flow_id,
+                        seq: envelope.seq,
+                        kind: envelope.kind,
+                        schema: envelope.schema,
+                        payload,
+                    };
                     let event_ref = EventRef {
                         event_id: event.event_id.clone(),
                         flow_id: event.flow_id.clone(),

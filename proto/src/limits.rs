@@ -78,12 +78,7 @@ pub fn check_schema(schema: u32) -> Result<(), LimitError> {
 /// Checks every transport limit of an envelope and returns the event it carries. An unknown
 /// kind or schema passes: only `Apply` decides what they mean.
 pub fn check_envelope(env: &pb::EventEnvelope) -> Result<Event, LimitError> {
-    check_token("event_id", &env.event_id, MAX_ID_BYTES)?;
-    check_token("flow_id", &env.flow_id, MAX_ID_BYTES)?;
-    check_seq("seq", env.seq)?;
-    check_token("kind", &env.kind, MAX_KIND_BYTES)?;
-    check_schema(env.schema)?;
-    let payload = parse_payload(&env.payload_json)?;
+    let payload = check_envelope_payload(env)?;
     Ok(Event {
         event_id: env.event_id.clone(),
         flow_id: env.flow_id.clone(),
@@ -92,6 +87,17 @@ pub fn check_envelope(env: &pb::EventEnvelope) -> Result<Event, LimitError> {
         schema: env.schema,
         payload,
     })
+}
+
+/// The checks of [`check_envelope`], returning only the parsed payload: a caller that owns
+/// the envelope moves its ids into the [`Event`] instead of copying them.
+pub fn check_envelope_payload(env: &pb::EventEnvelope) -> Result<Payload, LimitError> {
+    check_token("event_id", &env.event_id, MAX_ID_BYTES)?;
+    check_token("flow_id", &env.flow_id, MAX_ID_BYTES)?;
+    check_seq("seq", env.seq)?;
+    check_token("kind", &env.kind, MAX_KIND_BYTES)?;
+    check_schema(env.schema)?;
+    parse_payload(&env.payload_json)
 }
 
 /// The request field a payload error names (a member's error adds `.<key>`).
