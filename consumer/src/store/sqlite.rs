@@ -713,6 +713,16 @@ impl ReceivedFlows {
 /// rows are passed over, so however many of them wait, a transaction stays short.
 const COMPACT_EXAMINE: usize = 4 * runtime::retention::COMPACT_BATCH;
 
+/// A row one compaction transaction examined (see [`compact_pass`]).
+enum Examined {
+    /// Pending, blocked, or applied at or after the cutoff: passed over.
+    Unfinished,
+    /// Finished, with its body's digest and length: compacted by this transaction.
+    Compact([u8; 32], u64),
+    /// Finished, beyond what one transaction compacts: left to the next one.
+    NextBatch,
+}
+
 /// One compaction pass on consumer.db (see [`ConsumerStore::compact`](super::ConsumerStore::compact)):
 /// walks `inbox_body` (the rows that still have a body) in position order, each transaction
 /// under the connection's lock like every other writer, looking at up to [`COMPACT_EXAMINE`]
@@ -737,44 +747,66 @@ fn compact_pass(
     loop {
         let mut guard = lock(shared);
         let tx = db::begin_immediate(&mut guard)?;
-        let examined: Vec<(i64, String, String, Option<i64>, i64)> = tx
+        // Each examined row as (position, received, what to do with it). A body is digested
+        // where SQLite holds it, never copied, and only for the first `COMPACT_BATCH` rows
+        // this transaction will compact.
+        let mut to_compact = 0;
+        let examined: Vec<(i64, i64, Examined)> = tx
             .prepare_cached(
-                "SELECT b.position, b.body, i.state, i.applied_at_us, i.received_at_us
+                "SELECT b.position, i.received_at_us,
+                        i.state = 'applied' AND i.applied_at_us IS NOT NULL AND i.applied_at_us < ?3,
+                        b.body
                  FROM inbox_body b JOIN inbox i ON i.rowid = b.position
                  WHERE b.position > ?1 ORDER BY b.position LIMIT ?2",
             )?
-            .query_map(params![after, COMPACT_EXAMINE as i64], |r| {
-                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+            .query_map(params![after, COMPACT_EXAMINE as i64, cutoff_us], |r| {
+                let examined = if !r.get::<_, bool>(2)? {
+                    Examined::Unfinished
+                } else if to_compact == runtime::retention::COMPACT_BATCH {
+                    Examined::NextBatch
+                } else {
+                    to_compact += 1;
+                    let body = r.get_ref(3)?.as_bytes()?;
+                    Examined::Compact(runtime::retention::body_digest(body), body.len() as u64)
+                };
+                Ok((r.get(0)?, r.get(1)?, examined))
             })?
             .collect::<rusqlite::Result<_>>()?;
         let mut done = examined.len() < COMPACT_EXAMINE;
         let (mut rows, mut bytes) = (0u64, 0u64);
-        for (position, body, state, applied_at_us, received_at_us) in examined {
+        let mut mark = tx.prepare_cached(
+            "UPDATE inbox SET body_sha256 = ?2 WHERE rowid = ?1 AND state = 'applied' AND body_sha256 IS NULL",
+        )?;
+        let mut drop_body = tx.prepare_cached("DELETE FROM inbox_body WHERE position = ?1")?;
+        for (position, received_at_us, examined) in examined {
             if received_at_us >= cutoff_us {
                 done = true;
                 break;
             }
+            let (digest, len) = match examined {
+                Examined::Unfinished => {
+                    after = position;
+                    continue;
+                }
+                Examined::NextBatch => {
+                    done = false;
+                    break;
+                }
+                Examined::Compact(digest, len) => (digest, len),
+            };
             after = position;
-            if state != "applied" || applied_at_us.is_none_or(|at| at >= cutoff_us) {
-                continue;
-            }
-            let digest = runtime::retention::body_digest(body.as_bytes());
-            let marked = tx
-                .prepare_cached(
-                    "UPDATE inbox SET body_sha256 = ?2 WHERE rowid = ?1 AND state = 'applied' AND body_sha256 IS NULL",
-                )?
-                .execute(params![position, &digest[..]])?;
-            if marked != 1 {
+            if mark.execute(params![position, &digest[..]])? != 1 {
                 return Err(StoreError::Inconsistent(format!("inbox position {position}: compacted twice")));
             }
-            tx.prepare_cached("DELETE FROM inbox_body WHERE position = ?1")?.execute([position])?;
+            drop_body.execute([position])?;
             rows += 1;
-            bytes += body.len() as u64;
+            bytes += len;
             if rows as usize == runtime::retention::COMPACT_BATCH {
                 done = false;
                 break;
             }
         }
+        drop((mark, drop_body));
         if rows > 0 {
             crash.reach(CrashPoint::ConsumerCompactAfterBatch);
             tx.commit()?;
