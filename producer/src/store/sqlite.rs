@@ -1476,8 +1476,8 @@ mod tests {
         assert_eq!(check, "ok");
     }
 
-    /// The relay marks a row by the key its page read, and only while that row still holds
-    /// the answer's event id: a key of another row marks nothing accepted.
+    /// A flow row in a state the code does not know (a hand-edited file) is refused as
+    /// corrupt, naming the state; a missing row is a new flow.
     #[test]
     fn a_flow_in_an_unknown_state_is_reported_with_that_state() {
         let dir = tempfile::tempdir().unwrap();
@@ -1495,6 +1495,8 @@ mod tests {
         assert_eq!(flow_record(&conn, "B").unwrap(), FlowRecord::NEW);
     }
 
+    /// The relay marks a row by the key its page read, and only while that row still holds
+    /// the answer's event id: a key of another row marks nothing accepted.
     #[test]
     fn a_mark_by_row_key_still_requires_its_event_id() {
         let dir = tempfile::tempdir().unwrap();
