@@ -571,28 +571,31 @@ fn compact_batch(
     crash: &CrashSwitch,
 ) -> Result<Option<CompactedBatch>, StoreError> {
     let tx = db::begin_immediate(conn)?;
-    let rows: Vec<(i64, String)> = tx
+    // (id, the body's digest and length): digested where SQLite holds the body, never copied.
+    let rows: Vec<(i64, [u8; 32], u64)> = tx
         .prepare_cached(
             "SELECT outbox_body.id, outbox_body.body FROM outbox_body
              JOIN outbox ON outbox.id = outbox_body.id
              WHERE outbox_body.id > ?1 AND outbox.accepted = 1 AND outbox.accepted_at_us <= ?2
              ORDER BY outbox_body.id LIMIT ?3",
         )?
-        .query_map(params![after_id, cutoff_us, batch as i64], |r| Ok((r.get(0)?, r.get(1)?)))?
+        .query_map(params![after_id, cutoff_us, batch as i64], |r| {
+            let body = r.get_ref(1)?.as_bytes()?;
+            Ok((r.get(0)?, runtime::retention::body_digest(body), body.len() as u64))
+        })?
         .collect::<rusqlite::Result<_>>()?;
-    let Some(&(last_id, _)) = rows.last() else { return Ok(None) };
+    let Some(&(last_id, _, _)) = rows.last() else { return Ok(None) };
     let mut body_bytes = 0;
     {
         let mut digest =
             tx.prepare_cached("UPDATE outbox SET body_sha256 = ?2 WHERE id = ?1 AND accepted = 1")?;
         let mut drop_body = tx.prepare_cached("DELETE FROM outbox_body WHERE id = ?1")?;
-        for (id, body) in &rows {
-            let sha = runtime::retention::body_digest(body.as_bytes());
+        for (id, sha, len) in &rows {
             if digest.execute(params![id, &sha[..]])? != 1 {
                 return Err(StoreError::Corrupt(format!("outbox row {id} changed inside its compaction")));
             }
             drop_body.execute([id])?;
-            body_bytes += body.len() as u64;
+            body_bytes += len;
         }
     }
     crash.reach(CrashPoint::ProducerCompactAfterBatch);
