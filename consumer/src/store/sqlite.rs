@@ -749,7 +749,8 @@ fn compact_pass(
         let tx = db::begin_immediate(&mut guard)?;
         // Each examined row as (position, received, what to do with it). A body is digested
         // where SQLite holds it, never copied, and only for the first `COMPACT_BATCH` rows
-        // this transaction will compact.
+        // this transaction will compact: the next finished row ends the transaction (the one
+        // place the batch is capped).
         let mut to_compact = 0;
         let examined: Vec<(i64, i64, Examined)> = tx
             .prepare_cached(
@@ -801,10 +802,6 @@ fn compact_pass(
             drop_body.execute([position])?;
             rows += 1;
             bytes += len;
-            if rows as usize == runtime::retention::COMPACT_BATCH {
-                done = false;
-                break;
-            }
         }
         drop((mark, drop_body));
         if rows > 0 {
