@@ -605,7 +605,14 @@ pub fn read_flows(s: &Session) -> Result<Vec<FlowRow>, String> {
 pub fn read_outbox(s: &Session) -> Result<Vec<OutboxRow>, String> {
     // SQLite keeps each body in `outbox_body` (schema 5); PostgreSQL in place. A compacted
     // row has none.
+    // From schema 9 a compacted row's digest is in `outbox_digest`; before, in the row.
     let sql = match s {
+        Session::Sqlite(conn) if sqlite_has_table(conn, "outbox_digest") => {
+            "SELECT o.event_id, o.flow_id, o.seq, o.kind, b.body, o.accepted, o.attempts, o.last_outcome,
+                    lower(hex(d.sha256))
+             FROM outbox o LEFT JOIN outbox_body b ON b.id = o.id LEFT JOIN outbox_digest d ON d.id = o.id
+             ORDER BY o.flow_id, o.seq"
+        }
         Session::Sqlite(_) => {
             "SELECT o.event_id, o.flow_id, o.seq, o.kind, b.body, o.accepted, o.attempts, o.last_outcome,
                     lower(hex(o.body_sha256))
@@ -640,10 +647,18 @@ pub fn read_outbox(s: &Session) -> Result<Vec<OutboxRow>, String> {
 
 /// All inbox rows, by (flow_id, seq); `rowid` keeps the arrival order.
 /// On SQLite the bodies live in `inbox_body` (keyed by the row's position) from schema
-/// version 6 on; a compacted row has no body and keeps its digest. Tables written by hand in
-/// an older shape (body in `inbox`, no digest column) read as well.
+/// version 6 on; a compacted row has no body and keeps its digest (in `inbox_digest` from
+/// version 11 on, in the row before). Tables written by hand in an older shape (body in
+/// `inbox`, no digest column) read as well.
 pub fn read_inbox(s: &Session) -> Result<Vec<InboxRow>, String> {
     let sql = match s {
+        Session::Sqlite(conn) if sqlite_has_table(conn, "inbox_digest") => {
+            "SELECT i.rowid, i.event_id, i.flow_id, i.seq, i.state, i.reason,
+                    coalesce(b.body, ''), lower(hex(d.sha256))
+             FROM inbox i LEFT JOIN inbox_body b ON b.position = i.rowid
+                          LEFT JOIN inbox_digest d ON d.position = i.rowid
+             ORDER BY i.flow_id, i.seq"
+        }
         Session::Sqlite(conn) if sqlite_has_table(conn, "inbox_body") => {
             "SELECT i.rowid, i.event_id, i.flow_id, i.seq, i.state, i.reason,
                     coalesce(b.body, ''), lower(hex(i.body_sha256))

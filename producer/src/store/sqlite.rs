@@ -27,9 +27,10 @@ use crate::request::AdvanceCommand;
 /// check without an `IN` list; version 4: the backlog counter kept by the store, not by
 /// triggers; version 5: bodies in their own table, so compaction can drop them; version 6:
 /// consumer databases named by an integer key in each accepted row; version 7: `flow` stored
-/// in the b-tree of its key; version 8: no foreign key from `outbox` to `flow`).
+/// in the b-tree of its key; version 8: no foreign key from `outbox` to `flow`; version 9:
+/// tombstones' digests in a table of their own).
 pub const KIND: DbKind = DbKind::producer(
-    8,
+    9,
     SCHEMA,
     &[
         IDENTITY_SQL,
@@ -39,8 +40,26 @@ pub const KIND: DbKind = DbKind::producer(
         CONSUMER_KEYS_SQL,
         FLOW_BY_ID_SQL,
         NO_FLOW_FOREIGN_KEY_SQL,
+        DIGESTS_APART_SQL,
     ],
 );
+
+/// Version 9 (issues 16 and 18): a compacted row's digest is a row of `outbox_digest`, keyed
+/// by the outbox row's id, instead of the column `outbox.body_sha256`. Writing the column
+/// grew every compacted row by 33 bytes, so compaction split about every outbox page it
+/// rewrote (rows are packed in id order) and left them half empty; an insert in id order
+/// appends to the digests' b-tree instead (consumer.db version 11 does the same, with the
+/// measurement). Rows the relay still sends never have a digest, so its page reads none.
+/// The digests are moved once, and the column dropped.
+const DIGESTS_APART_SQL: &str = "
+CREATE TABLE outbox_digest(
+    id INTEGER PRIMARY KEY,
+    sha256 BLOB NOT NULL CHECK(length(sha256) = 32)
+);
+INSERT INTO outbox_digest(id, sha256)
+SELECT id, body_sha256 FROM outbox WHERE body_sha256 IS NOT NULL ORDER BY id;
+ALTER TABLE outbox DROP COLUMN body_sha256;
+";
 
 /// Version 8 (issue 18): `outbox.flow_id` no longer declares a foreign key to `flow`. Its
 /// check was a seek of `flow` by the text key on every outbox insert (~2.8k instructions per
@@ -587,12 +606,14 @@ fn compact_batch(
     let Some(&(last_id, _, _)) = rows.last() else { return Ok(None) };
     let mut body_bytes = 0;
     {
-        let mut digest =
-            tx.prepare_cached("UPDATE outbox SET body_sha256 = ?2 WHERE id = ?1 AND accepted = 1")?;
+        // The rows were read in this transaction as accepted with a body, so none has a
+        // digest yet: a taken id is the corruption of a row compacted twice.
+        let mut digest = tx
+            .prepare_cached("INSERT INTO outbox_digest(id, sha256) VALUES (?1, ?2) ON CONFLICT DO NOTHING")?;
         let mut drop_body = tx.prepare_cached("DELETE FROM outbox_body WHERE id = ?1")?;
         for (id, sha, len) in &rows {
             if digest.execute(params![id, &sha[..]])? != 1 {
-                return Err(StoreError::Corrupt(format!("outbox row {id} changed inside its compaction")));
+                return Err(StoreError::Corrupt(format!("outbox row {id} has a body and a digest")));
             }
             drop_body.execute([id])?;
             body_bytes += len;
@@ -768,12 +789,26 @@ fn flow_record_with(held: &mut Held<'_>, flow_id: &str) -> Result<FlowRecord, St
 /// bound values the plans depended on (the page's `LIMIT ?`), which the planner stability
 /// guarantee set by `proto::db::open` stops: `bench --callgrind` shows no `sqlite3Reprepare`
 /// in any process with the join.
+///
+/// A tombstone's digest comes by a second `LEFT JOIN`, of `outbox_digest`; the relay's page
+/// (`outbox_columns!(without digest)`) reads unaccepted rows, which compaction never touches
+/// (a compacted row made unaccepted again is refused by its missing body), and reads none.
 macro_rules! outbox_columns {
     () => {
-        "outbox.event_id, outbox.flow_id, outbox.seq, outbox.kind, outbox.schema, outbox_body.body,
-         outbox.accepted, outbox.attempts, outbox.last_outcome, outbox.committed_at_us,
-         outbox.body_sha256, outbox.id
-         FROM outbox LEFT JOIN outbox_body ON outbox_body.id = outbox.id"
+        outbox_columns!("outbox_digest.sha256", " LEFT JOIN outbox_digest ON outbox_digest.id = outbox.id")
+    };
+    (without digest) => {
+        outbox_columns!("NULL", "")
+    };
+    ($digest:literal, $join:literal) => {
+        concat!(
+            "outbox.event_id, outbox.flow_id, outbox.seq, outbox.kind, outbox.schema, outbox_body.body,
+             outbox.accepted, outbox.attempts, outbox.last_outcome, outbox.committed_at_us, ",
+            $digest,
+            ", outbox.id
+             FROM outbox LEFT JOIN outbox_body ON outbox_body.id = outbox.id",
+            $join
+        )
     };
 }
 
@@ -825,7 +860,7 @@ pub fn flow_outbox(conn: &Connection, flow_id: &str) -> Result<Vec<OutboxRecord>
 /// `EXPLAIN QUERY PLAN` test), so the accepted history is never scanned.
 pub const UNACCEPTED_PAGE_SQL: &str = concat!(
     "SELECT ",
-    outbox_columns!(),
+    outbox_columns!(without digest),
     " WHERE outbox.accepted = 0 AND (outbox.flow_id, outbox.seq) > (?1, ?2)
      ORDER BY outbox.flow_id, outbox.seq LIMIT ?3"
 );
@@ -1149,18 +1184,38 @@ mod tests {
     }
 
     fn run(conn: &mut Connection, c: &AdvanceCommand) -> AdvanceReply {
+        run_with(conn, c, Steps::Savepoint)
+    }
+
+    /// A new step of a file of schema 5 to 8 as those builds wrote it: run directly, today's
+    /// `advance` writes only tables they have (it reads `outbox_digest` only with savepoints,
+    /// or when it does not write).
+    fn run_on_old_file(conn: &mut Connection, c: &AdvanceCommand) -> AdvanceReply {
+        let reply = run_with(conn, c, Steps::Direct);
+        assert_eq!(reply.outcome, super::super::AdvanceOutcome::Committed);
+        reply
+    }
+
+    /// [`flow_outbox`] of a file of schema 5 to 8 (each digest in its row).
+    fn flow_outbox_of_old_file(conn: &Connection, flow_id: &str) -> Vec<OutboxRecord> {
+        let sql = concat!(
+            "SELECT ",
+            outbox_columns!("outbox.body_sha256", ""),
+            " WHERE outbox.flow_id = ?1 ORDER BY outbox.seq"
+        );
+        conn.prepare(sql)
+            .unwrap()
+            .query_map([flow_id], outbox_from_row)
+            .unwrap()
+            .map(Result::unwrap)
+            .collect()
+    }
+
+    fn run_with(conn: &mut Connection, c: &AdvanceCommand, steps: Steps) -> AdvanceReply {
         let tx = db::begin_immediate(conn).unwrap();
         let mut unaccepted = Unaccepted::new(None);
-        let reply = advance(
-            &tx,
-            &mut Held::new(&tx),
-            c,
-            &CrashSwitch::default(),
-            1,
-            &mut unaccepted,
-            Steps::Savepoint,
-        )
-        .unwrap();
+        let reply =
+            advance(&tx, &mut Held::new(&tx), c, &CrashSwitch::default(), 1, &mut unaccepted, steps).unwrap();
         unaccepted.write(&tx).unwrap();
         tx.commit().unwrap();
         reply
@@ -1389,25 +1444,77 @@ mod tests {
         let path = dir.path().join("p.db");
         let v7 = DbKind::producer(7, SCHEMA, KIND.upgrades.split_at(6).0);
         let mut conn = db::open(&path, &v7, OpenMode::Create).unwrap();
-        run(&mut conn, &step_of("A", "A1", 0, "reserved"));
-        let rows = flow_outbox(&conn, "A").unwrap();
+        run_on_old_file(&mut conn, &step_of("A", "A1", 0, "reserved"));
+        let rows = flow_outbox_of_old_file(&conn, "A");
         let (v7_ddl, v7_keys) = outbox_shape(&conn);
         assert_eq!(v7_keys, 1, "{v7_ddl}");
         drop(conn);
-        let mut conn = open(&path, OpenMode::Existing).unwrap();
+        // To version 8 (version 9 changes the outbox again, see the next test).
+        let v8 = DbKind::producer(8, SCHEMA, KIND.upgrades.split_at(7).0);
+        let mut conn = db::open(&path, &v8, OpenMode::Existing).unwrap();
         let (ddl, keys) = outbox_shape(&conn);
         assert_eq!(keys, 0, "{ddl}");
         assert_eq!(ddl, v7_ddl.replace(" REFERENCES flow(flow_id)", ""));
-        assert_eq!(flow_outbox(&conn, "A").unwrap(), rows);
-        assert_eq!(
-            run(&mut conn, &step_of("A", "A2", 1, "confirmed")).outcome,
-            super::super::AdvanceOutcome::Committed
-        );
+        assert_eq!(flow_outbox_of_old_file(&conn, "A"), rows);
+        run_on_old_file(&mut conn, &step_of("A", "A2", 1, "confirmed"));
         let check: String = conn.query_row("PRAGMA integrity_check", [], |r| r.get(0)).unwrap();
         assert_eq!(check, "ok");
         // A new file is built the same way.
-        let fresh = open(&dir.path().join("new.db"), OpenMode::Create).unwrap();
+        let fresh = db::open(&dir.path().join("new.db"), &v8, OpenMode::Create).unwrap();
         assert_eq!(outbox_shape(&fresh), (ddl, 0));
+    }
+
+    /// A version 8 file's tombstones keep their digests, moved to `outbox_digest`; the rows
+    /// lose the column, and Advance answers a retry of a compacted step as before.
+    #[test]
+    fn a_version_8_file_moves_its_digests_apart_and_answers_retries_as_before() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.db");
+        let v8 = DbKind::producer(8, SCHEMA, KIND.upgrades.split_at(7).0);
+        let mut conn = db::open(&path, &v8, OpenMode::Create).unwrap();
+        let first = step_of("A", "A1", 0, "reserved");
+        run_on_old_file(&mut conn, &first);
+        run_on_old_file(&mut conn, &step_of("A", "A2", 1, "confirmed"));
+        // A1 accepted and compacted as a version 8 build did: digest in the row, body gone.
+        let body: String =
+            conn.query_row("SELECT body FROM outbox_body WHERE id = 1", [], |r| r.get(0)).unwrap();
+        let digest = runtime::retention::body_digest(body.as_bytes());
+        conn.execute(
+            "UPDATE outbox SET accepted = 1, accepted_at_us = 1, attempts = 1, last_outcome = 'ACCEPTED',
+                               body_sha256 = ?1 WHERE id = 1",
+            [&digest[..]],
+        )
+        .unwrap();
+        conn.execute_batch("DELETE FROM outbox_body WHERE id = 1; UPDATE backlog SET unaccepted = 1;")
+            .unwrap();
+        let before = flow_outbox_of_old_file(&conn, "A");
+        assert!(before[0].compacted && !before[1].compacted, "{before:?}");
+        drop(conn);
+        let mut conn = open(&path, OpenMode::Existing).unwrap();
+        let column: i64 = conn
+            .query_row(
+                "SELECT count(*) FROM pragma_table_info('outbox') WHERE name = 'body_sha256'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(column, 0, "the column is dropped");
+        let after = flow_outbox(&conn, "A").unwrap();
+        assert_eq!(after, before);
+        assert_eq!(after[0].body_sha256, Some(digest));
+        // A retry of the compacted step is answered from its digest; a changed one conflicts.
+        assert_eq!(run(&mut conn, &first).outcome, super::super::AdvanceOutcome::Existing);
+        let changed = cmd("A1", 0, "reserved", 1, 4);
+        assert_eq!(run(&mut conn, &changed).outcome, super::super::AdvanceOutcome::Conflict);
+        // A2 is compacted into the new table once accepted.
+        conn.execute("UPDATE outbox SET accepted = 1, accepted_at_us = 2 WHERE id = 2", []).unwrap();
+        let done = compact_batch(&mut conn, 0, 10, 500, &CrashSwitch::default()).unwrap().unwrap();
+        assert_eq!(done.rows, 1);
+        let digests: i64 = conn.query_row("SELECT count(*) FROM outbox_digest", [], |r| r.get(0)).unwrap();
+        assert_eq!(digests, 2);
+        assert!(flow_outbox(&conn, "A").unwrap().iter().all(|r| r.compacted && r.body_sha256.is_some()));
+        let check: String = conn.query_row("PRAGMA integrity_check", [], |r| r.get(0)).unwrap();
+        assert_eq!(check, "ok");
     }
 
     #[test]

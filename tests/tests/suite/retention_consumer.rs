@@ -457,7 +457,7 @@ async fn a_failing_compaction_pass_is_counted_and_loses_nothing() {
     let (install, remove) = match &target {
         Target::Sqlite(_) => (
             format!(
-                "CREATE TRIGGER no_tombstone BEFORE UPDATE OF body_sha256 ON inbox
+                "CREATE TRIGGER no_tombstone BEFORE INSERT ON inbox_digest
                  BEGIN SELECT RAISE(ABORT, '{message}'); END;"
             ),
             "DROP TRIGGER no_tombstone;".to_owned(),
