@@ -1,7 +1,7 @@
 //! What the run's own tables say, read from the database files after the run (read-only,
 //! one short statement at a time): each stage's rate from its timestamps
 //! (`outbox.committed_at_us`, `inbox.received_at_us`, `outbox.accepted_at_us`,
-//! `inbox.applied_at_us`), commit→applied latency per event, the journal mode stored in each
+//! `effect.applied_at_us`), commit→applied latency per event, the journal mode stored in each
 //! file, and a check that every flow ended released with exactly three effects. Like the
 //! test harness, it reads the files with its own queries, independently of the services'
 //! store modules (which own every write), and only on blocking threads.
@@ -116,9 +116,10 @@ pub struct Tables {
     pub received: Stage,
     /// producer.db `outbox.accepted_at_us` (the relay recorded the answer).
     pub marked_accepted: Stage,
-    /// consumer.db `inbox.applied_at_us`.
+    /// consumer.db `effect.applied_at_us` (every build's consumer.db has the `effect` table
+    /// or view with each applied event's time).
     pub applied: Stage,
-    /// Per event: `inbox.applied_at_us − outbox.committed_at_us`.
+    /// Per event: `effect.applied_at_us − outbox.committed_at_us`.
     pub commit_to_applied: Percentiles,
     /// Per event: `inbox.received_at_us − outbox.committed_at_us`.
     pub commit_to_received: Percentiles,
@@ -155,12 +156,13 @@ pub fn read_tables(producer_db: &Path, consumer_db: &Path, flows: u64) -> anyhow
     consumer.execute("ATTACH DATABASE ?1 AS p", [producer_db.display().to_string()])?;
     let deltas = |expr: &str| -> anyhow::Result<Vec<i64>> {
         let mut stmt = consumer.prepare(&format!(
-            "SELECT {expr} FROM inbox i JOIN p.outbox o ON o.event_id = i.event_id WHERE i.applied_at_us IS NOT NULL"
+            "SELECT {expr} FROM effect e JOIN inbox i ON i.event_id = e.event_id
+             JOIN p.outbox o ON o.event_id = e.event_id"
         ))?;
         let rows = stmt.query_map([], |r| r.get::<_, i64>(0))?;
         Ok(rows.collect::<Result<Vec<_>, _>>()?)
     };
-    let commit_to_applied = percentiles(deltas("i.applied_at_us - o.committed_at_us")?);
+    let commit_to_applied = percentiles(deltas("e.applied_at_us - o.committed_at_us")?);
     let commit_to_received = percentiles(deltas("i.received_at_us - o.committed_at_us")?);
     let one =
         |conn: &Connection, sql: &str| -> anyhow::Result<u64> { Ok(conn.query_row(sql, [], |r| r.get(0))?) };
@@ -180,7 +182,7 @@ pub fn read_tables(producer_db: &Path, consumer_db: &Path, flows: u64) -> anyhow
         committed: stage(&producer, "outbox", "committed_at_us")?,
         received: stage(&consumer, "inbox", "received_at_us")?,
         marked_accepted: stage(&producer, "outbox", "accepted_at_us")?,
-        applied: stage(&consumer, "inbox", "applied_at_us")?,
+        applied: stage(&consumer, "effect", "applied_at_us")?,
         commit_to_applied,
         commit_to_received,
         verified: Verified {

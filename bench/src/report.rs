@@ -134,7 +134,7 @@ pub fn run_json(
             "events_per_s": e2e.round(),
             "seconds": round((tables.applied.last_us - driven.first_send_us) as f64 / 1e6),
             "from": "first Advance sent (bench clock)",
-            "to": "last inbox.applied_at_us",
+            "to": "last effect.applied_at_us",
         },
         "advance": {
             "calls": driven.calls,
