@@ -579,9 +579,10 @@ struct CompactedBatch {
 
 /// ONE `BEGIN IMMEDIATE` transaction: up to `batch` outbox rows with a body, after id
 /// `after_id`, accepted at or before `cutoff_us`, get their body's digest (a row of
-/// `outbox_digest`) and lose their `outbox_body` row (deleted in id order, so whole pages are freed). Reaches
-/// `producer.compact.after_batch` before the commit and `producer.compact.after_commit` after;
-/// a crash anywhere leaves each row whole or a tombstone. `None`: nothing to compact.
+/// `outbox_digest`) and lose their `outbox_body` row (deleted in id order, so whole pages are
+/// freed). Reaches `producer.compact.after_batch` before the commit and
+/// `producer.compact.after_commit` after; a crash anywhere leaves each row whole or a
+/// tombstone. `None`: nothing to compact.
 fn compact_batch(
     conn: &mut Connection,
     after_id: i64,
