@@ -73,10 +73,11 @@ ALTER TABLE inbox DROP COLUMN applied_at_us;
 /// page, so compaction split about every page it rewrote, and left the inbox's pages half
 /// empty. An insert in position order appends to the digests' b-tree instead. Measured on
 /// 30 000 rows compacted in batches of 500 (the same statements, Python's `sqlite3` under
-/// callgrind): 25.7k against 32.5k instructions per compacted row, and the same pages in
-/// use afterwards (1 157 against 1 161: the inbox no longer grows by 1.2 MB, the digests
-/// take that). Rows still waiting or being applied never have a digest, so the hot path
-/// reads none. The digests are moved once, and the column dropped.
+/// callgrind, `scripts/measure_digest_apart_sqlite.py`): 25.8k against 32.5k instructions
+/// per compacted row, and the same pages in use afterwards (1 157 against 1 161: the inbox
+/// no longer grows by 1.2 MB, the digests take that). Rows still waiting or being applied
+/// never have a digest, so the hot path reads none. The digests are moved once, and the
+/// column dropped.
 const DIGESTS_APART_SQL: &str = "
 CREATE TABLE inbox_digest(
     position INTEGER PRIMARY KEY,
@@ -768,8 +769,8 @@ enum Examined {
 /// `inbox_digest` and the body deleted (a row is finished when its effect, which holds its
 /// applied time, is older than the cutoff). The walk ends at the first row received at or
 /// after the cutoff (every later position was received later still, so none of them can have
-/// been applied before it). Then, when the file was created with `auto_vacuum=INCREMENTAL`, the free pages
-/// are given back in steps of [`VACUUM_STEP`]. Blocking.
+/// been applied before it). Then, when the file was created with `auto_vacuum=INCREMENTAL`,
+/// the free pages are given back in steps of [`VACUUM_STEP`]. Blocking.
 fn compact_pass(
     shared: &Mutex<Connection>,
     cutoff_us: i64,
