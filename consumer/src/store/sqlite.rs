@@ -2581,7 +2581,7 @@ mod tests {
     }
 
     /// A version 11 file's applied rows lose their own time and keep their effect's: the
-    /// retention cutoff is judged by it, and new steps rewrite their row in place.
+    /// retention cutoff is judged by it, and new steps still apply.
     #[test]
     fn a_version_11_file_keeps_each_applied_time_in_its_effect() {
         // Received A1, A2, B1 (positions 1, 2, 3); A1 applied at 5 and B1 at 9, as a version
