@@ -1,0 +1,188 @@
+#!/bin/bash
+# PostgreSQL: what an outbox keeps per event after compaction, with the body in the row
+# (`inline`, the store's schema today: compaction sets `body` NULL and writes `body_sha256`)
+# against bodies and digests in tables of their own (`apart`: compaction deletes the body row
+# and inserts a digest row; the outbox row is never rewritten by it) and against bodies in a
+# table partitioned by id range with the digest written with the row (`parts`: compaction
+# drops a whole partition once all its rows are finished), and each without compaction.
+#
+# Each round inserts 5 000 events (ids as `bench` makes them: f0000001-1, ...), marks them
+# accepted as the relay does (an UPDATE of each row), compacts them at retention 0 (or not)
+# and runs VACUUM on every table every VACUUM_EVERY rounds (default 1; standing in for
+# autovacuum, which the shared server does not run: at 8 000 events/s a 10 s naptime is 16
+# rounds). After every 10 rounds it prints, per event, the bytes of all the design's relations
+# (heaps, indexes, TOAST) and of the outbox's indexes alone.
+#
+#   scripts/measure_bodies_apart_pg.sh [rounds]      (default 40: 200 000 events a design)
+#   VACUUM_EVERY=16 scripts/measure_bodies_apart_pg.sh 80
+#   DESIGNS=parts scripts/measure_bodies_apart_pg.sh     (one design: inline, apart or parts)
+set -euo pipefail
+ROUNDS=${1:-40}
+PSQL="psql -h 127.0.0.1 -U postgres -qAt -v ON_ERROR_STOP=1"
+N=5000
+VACUUM_EVERY=${VACUUM_EVERY:-1}
+
+# The store's outbox (producer schema 4), without the relay lease columns' defaults that do
+# not matter here; `apart` moves the body out and keys it by a bigint id.
+inline_ddl="
+CREATE TABLE outbox(
+    event_id TEXT COLLATE \"C\" PRIMARY KEY,
+    flow_id TEXT COLLATE \"C\" NOT NULL,
+    seq BIGINT NOT NULL,
+    kind TEXT NOT NULL,
+    schema INTEGER NOT NULL,
+    body TEXT,
+    accepted INTEGER NOT NULL DEFAULT 0,
+    attempts BIGINT NOT NULL DEFAULT 0,
+    last_outcome TEXT,
+    committed_at_us BIGINT NOT NULL,
+    accepted_at_us BIGINT,
+    accepted_by TEXT,
+    accepted_position BIGINT,
+    partition SMALLINT NOT NULL,
+    marked_by TEXT,
+    marked_epoch BIGINT,
+    body_sha256 BYTEA,
+    UNIQUE(flow_id, seq)
+);
+CREATE INDEX outbox_unaccepted ON outbox(flow_id, seq) WHERE accepted = 0;
+CREATE INDEX outbox_accepted_by ON outbox(accepted_by, accepted_position) WHERE accepted = 1;
+CREATE INDEX outbox_compactable ON outbox(accepted_at_us) WHERE accepted = 1 AND body IS NOT NULL;"
+
+apart_ddl="
+CREATE TABLE outbox(
+    id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    event_id TEXT COLLATE \"C\" NOT NULL UNIQUE,
+    flow_id TEXT COLLATE \"C\" NOT NULL,
+    seq BIGINT NOT NULL,
+    kind TEXT NOT NULL,
+    schema INTEGER NOT NULL,
+    accepted INTEGER NOT NULL DEFAULT 0,
+    attempts BIGINT NOT NULL DEFAULT 0,
+    last_outcome TEXT,
+    committed_at_us BIGINT NOT NULL,
+    accepted_at_us BIGINT,
+    accepted_by TEXT,
+    accepted_position BIGINT,
+    partition SMALLINT NOT NULL,
+    marked_by TEXT,
+    marked_epoch BIGINT,
+    UNIQUE(flow_id, seq)
+);
+CREATE INDEX outbox_unaccepted ON outbox(flow_id, seq) WHERE accepted = 0;
+CREATE INDEX outbox_accepted_by ON outbox(accepted_by, accepted_position) WHERE accepted = 1;
+CREATE TABLE outbox_body(id BIGINT PRIMARY KEY, body TEXT NOT NULL);
+CREATE TABLE outbox_digest(id BIGINT PRIMARY KEY, sha256 BYTEA NOT NULL);"
+
+parts_ddl="
+CREATE TABLE outbox(
+    id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    event_id TEXT COLLATE \"C\" NOT NULL UNIQUE,
+    flow_id TEXT COLLATE \"C\" NOT NULL,
+    seq BIGINT NOT NULL,
+    kind TEXT NOT NULL,
+    schema INTEGER NOT NULL,
+    body_sha256 BYTEA NOT NULL,
+    accepted INTEGER NOT NULL DEFAULT 0,
+    attempts BIGINT NOT NULL DEFAULT 0,
+    last_outcome TEXT,
+    committed_at_us BIGINT NOT NULL,
+    accepted_at_us BIGINT,
+    accepted_by TEXT,
+    accepted_position BIGINT,
+    partition SMALLINT NOT NULL,
+    marked_by TEXT,
+    marked_epoch BIGINT,
+    UNIQUE(flow_id, seq)
+);
+CREATE INDEX outbox_unaccepted ON outbox(flow_id, seq) WHERE accepted = 0;
+CREATE INDEX outbox_accepted_by ON outbox(accepted_by, accepted_position) WHERE accepted = 1;
+CREATE TABLE outbox_body(id BIGINT NOT NULL, body TEXT NOT NULL) PARTITION BY RANGE (id);"
+
+# Round r's rows: flows r*N/3 .. as three-step flows, bodies shaped like the store's.
+rows_sql() {
+  local r=$1
+  cat <<SQL
+SELECT 'f'||lpad(g::text,7,'0')||'-'||s AS event_id, 'f'||lpad(g::text,7,'0') AS flow_id, s AS seq,
+       (ARRAY['reserved','confirmed','released'])[s] AS kind, 1 AS schema,
+       '{"event_id":"f'||lpad(g::text,7,'0')||'-'||s||'","flow_id":"f'||lpad(g::text,7,'0')||'","kind":"'
+         ||(ARRAY['reserved','confirmed','released'])[s]||'","payload":{"amount":3},"schema":1,"seq":'||s||'}' AS body,
+       1700000000000000 + g AS committed_at_us, (g % 64)::smallint AS partition
+FROM generate_series($r*$((N / 3)), ($r+1)*$((N / 3))-1) g, generate_series(1,3) s
+SQL
+}
+
+mark_sql="UPDATE outbox SET accepted = 1, attempts = attempts + 1, last_outcome = 'ACCEPTED',
+    accepted_at_us = committed_at_us + 5000, accepted_by = '6c0914b7ee19a632c8e3f51183a0f96b',
+    accepted_position = committed_at_us - 1700000000000000, marked_by = 'relay-1', marked_epoch = 1
+  WHERE accepted = 0;"
+
+run() {
+  local design=$1 compact=$2 db=oe_meas_apart_$$_$1_$2
+  $PSQL -c "CREATE DATABASE $db"
+  local q="$PSQL -d $db"
+  case $design in
+    inline) $q -c "$inline_ddl" ;;
+    apart) $q -c "$apart_ddl" ;;
+    parts) $q -c "$parts_ddl" ;;
+  esac
+  for r in $(seq 0 $((ROUNDS - 1))); do
+    if [ "$design" = inline ]; then
+      $q -c "INSERT INTO outbox(event_id, flow_id, seq, kind, schema, body, committed_at_us, partition)
+             SELECT event_id, flow_id, seq, kind, schema, body, committed_at_us, partition FROM ($(rows_sql $r)) x"
+      $q -c "$mark_sql"
+      if [ "$compact" = 0 ]; then
+        $q -c "UPDATE outbox SET body_sha256 = sha256(convert_to(body, 'UTF8')), body = NULL
+               WHERE accepted = 1 AND body IS NOT NULL"
+      fi
+    elif [ "$design" = parts ]; then
+      # One partition per round: its rows' ids are the next ones the identity gives.
+      local from to
+      from=$($q -c "SELECT coalesce(max(id), 0) + 1 FROM outbox")
+      to=$((from + N / 3 * 3))
+      $q -c "CREATE TABLE outbox_body_$r PARTITION OF outbox_body FOR VALUES FROM ($from) TO ($to);
+             ALTER TABLE outbox_body_$r ADD PRIMARY KEY (id)"
+      $q -c "WITH x AS ($(rows_sql $r)), o AS (
+               INSERT INTO outbox(event_id, flow_id, seq, kind, schema, body_sha256, committed_at_us, partition)
+               SELECT event_id, flow_id, seq, kind, schema, sha256(convert_to(body, 'UTF8')), committed_at_us,
+                      partition FROM x
+               RETURNING id, event_id)
+             INSERT INTO outbox_body(id, body) SELECT o.id, x.body FROM o JOIN x USING (event_id)"
+      $q -c "$mark_sql"
+      if [ "$compact" = 0 ]; then
+        # Every row of the round is accepted now: its partition goes whole.
+        $q -c "DROP TABLE outbox_body_$r"
+      fi
+    else
+      $q -c "WITH x AS ($(rows_sql $r)), o AS (
+               INSERT INTO outbox(event_id, flow_id, seq, kind, schema, committed_at_us, partition)
+               SELECT event_id, flow_id, seq, kind, schema, committed_at_us, partition FROM x
+               RETURNING id, event_id)
+             INSERT INTO outbox_body(id, body) SELECT o.id, x.body FROM o JOIN x USING (event_id)"
+      $q -c "$mark_sql"
+      if [ "$compact" = 0 ]; then
+        $q -c "WITH gone AS (
+                 DELETE FROM outbox_body b USING outbox o WHERE o.id = b.id AND o.accepted = 1
+                 RETURNING b.id, sha256(convert_to(b.body, 'UTF8')) AS sha256)
+               INSERT INTO outbox_digest(id, sha256) SELECT id, sha256 FROM gone ORDER BY id"
+      fi
+    fi
+    if [ $(((r + 1) % VACUUM_EVERY)) = 0 ]; then $q -c "VACUUM"; fi
+    if [ $((r % 10)) = 9 ]; then
+      $q -c "SELECT '$design retention $compact: ' || count(*) || ' events, '
+               || round((SELECT sum(pg_total_relation_size(c.oid)) FROM pg_class c
+                         JOIN pg_namespace n ON n.oid = c.relnamespace
+                         WHERE n.nspname = 'public' AND c.relkind = 'r')::numeric / count(*), 1)
+               || ' bytes per event, of which the outbox''s indexes '
+               || round(pg_indexes_size('outbox')::numeric / count(*), 1)
+             FROM outbox"
+    fi
+  done
+  $PSQL -c "DROP DATABASE $db"
+}
+
+for design in ${DESIGNS:-inline apart parts}; do
+  for compact in off 0; do
+    run "$design" "$compact"
+  done
+done
