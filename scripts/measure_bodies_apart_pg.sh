@@ -117,9 +117,13 @@ mark_sql="UPDATE outbox SET accepted = 1, attempts = attempts + 1, last_outcome 
     accepted_position = committed_at_us - 1700000000000000, marked_by = 'relay-1', marked_epoch = 1
   WHERE accepted = 0;"
 
+CURRENT_DB=
+trap '[ -z "$CURRENT_DB" ] || $PSQL -c "DROP DATABASE IF EXISTS $CURRENT_DB WITH (FORCE)"' EXIT
+
 run() {
   local design=$1 compact=$2 db=oe_meas_apart_$$_$1_$2
   $PSQL -c "CREATE DATABASE $db"
+  CURRENT_DB=$db
   local q="$PSQL -d $db"
   case $design in
     inline) $q -c "$inline_ddl" ;;
@@ -179,6 +183,7 @@ run() {
     fi
   done
   $PSQL -c "DROP DATABASE $db"
+  CURRENT_DB=
 }
 
 for design in ${DESIGNS:-inline apart parts}; do
