@@ -22,16 +22,19 @@ PSQL="psql -h 127.0.0.1 -U postgres -qAt -v ON_ERROR_STOP=1"
 N=5000
 VACUUM_EVERY=${VACUUM_EVERY:-1}
 
-# The store's outbox (producer schema 4), without the relay lease columns' defaults that do
-# not matter here; `apart` moves the body out and keys it by a bigint id.
-inline_ddl="
+# The store's outbox (producer schema 4) and the two other layouts: the same columns in the
+# same order, `apart` and `parts` keyed by a bigint id with the body out of the row.
+# outbox_ddl KEY AFTER_SCHEMA AT_END MORE: the columns before `flow_id`, after `schema` and
+# before the UNIQUE constraint (each ending in a comma), then more statements.
+outbox_ddl() {
+  cat <<SQL
 CREATE TABLE outbox(
-    event_id TEXT COLLATE \"C\" PRIMARY KEY,
-    flow_id TEXT COLLATE \"C\" NOT NULL,
+    $1
+    flow_id TEXT COLLATE "C" NOT NULL,
     seq BIGINT NOT NULL,
     kind TEXT NOT NULL,
     schema INTEGER NOT NULL,
-    body TEXT,
+    $2
     accepted INTEGER NOT NULL DEFAULT 0,
     attempts BIGINT NOT NULL DEFAULT 0,
     last_outcome TEXT,
@@ -42,62 +45,22 @@ CREATE TABLE outbox(
     partition SMALLINT NOT NULL,
     marked_by TEXT,
     marked_epoch BIGINT,
-    body_sha256 BYTEA,
+    $3
     UNIQUE(flow_id, seq)
 );
 CREATE INDEX outbox_unaccepted ON outbox(flow_id, seq) WHERE accepted = 0;
 CREATE INDEX outbox_accepted_by ON outbox(accepted_by, accepted_position) WHERE accepted = 1;
-CREATE INDEX outbox_compactable ON outbox(accepted_at_us) WHERE accepted = 1 AND body IS NOT NULL;"
-
-apart_ddl="
-CREATE TABLE outbox(
-    id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    event_id TEXT COLLATE \"C\" NOT NULL UNIQUE,
-    flow_id TEXT COLLATE \"C\" NOT NULL,
-    seq BIGINT NOT NULL,
-    kind TEXT NOT NULL,
-    schema INTEGER NOT NULL,
-    accepted INTEGER NOT NULL DEFAULT 0,
-    attempts BIGINT NOT NULL DEFAULT 0,
-    last_outcome TEXT,
-    committed_at_us BIGINT NOT NULL,
-    accepted_at_us BIGINT,
-    accepted_by TEXT,
-    accepted_position BIGINT,
-    partition SMALLINT NOT NULL,
-    marked_by TEXT,
-    marked_epoch BIGINT,
-    UNIQUE(flow_id, seq)
-);
-CREATE INDEX outbox_unaccepted ON outbox(flow_id, seq) WHERE accepted = 0;
-CREATE INDEX outbox_accepted_by ON outbox(accepted_by, accepted_position) WHERE accepted = 1;
-CREATE TABLE outbox_body(id BIGINT PRIMARY KEY, body TEXT NOT NULL);
-CREATE TABLE outbox_digest(id BIGINT PRIMARY KEY, sha256 BYTEA NOT NULL);"
-
-parts_ddl="
-CREATE TABLE outbox(
-    id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    event_id TEXT COLLATE \"C\" NOT NULL UNIQUE,
-    flow_id TEXT COLLATE \"C\" NOT NULL,
-    seq BIGINT NOT NULL,
-    kind TEXT NOT NULL,
-    schema INTEGER NOT NULL,
-    body_sha256 BYTEA NOT NULL,
-    accepted INTEGER NOT NULL DEFAULT 0,
-    attempts BIGINT NOT NULL DEFAULT 0,
-    last_outcome TEXT,
-    committed_at_us BIGINT NOT NULL,
-    accepted_at_us BIGINT,
-    accepted_by TEXT,
-    accepted_position BIGINT,
-    partition SMALLINT NOT NULL,
-    marked_by TEXT,
-    marked_epoch BIGINT,
-    UNIQUE(flow_id, seq)
-);
-CREATE INDEX outbox_unaccepted ON outbox(flow_id, seq) WHERE accepted = 0;
-CREATE INDEX outbox_accepted_by ON outbox(accepted_by, accepted_position) WHERE accepted = 1;
-CREATE TABLE outbox_body(id BIGINT NOT NULL, body TEXT NOT NULL) PARTITION BY RANGE (id);"
+$4
+SQL
+}
+by_id='id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, event_id TEXT COLLATE "C" NOT NULL UNIQUE,'
+inline_ddl=$(outbox_ddl 'event_id TEXT COLLATE "C" PRIMARY KEY,' 'body TEXT,' 'body_sha256 BYTEA,' \
+  'CREATE INDEX outbox_compactable ON outbox(accepted_at_us) WHERE accepted = 1 AND body IS NOT NULL;')
+apart_ddl=$(outbox_ddl "$by_id" '' '' \
+  'CREATE TABLE outbox_body(id BIGINT PRIMARY KEY, body TEXT NOT NULL);
+   CREATE TABLE outbox_digest(id BIGINT PRIMARY KEY, sha256 BYTEA NOT NULL);')
+parts_ddl=$(outbox_ddl "$by_id" 'body_sha256 BYTEA NOT NULL,' '' \
+  'CREATE TABLE outbox_body(id BIGINT NOT NULL, body TEXT NOT NULL) PARTITION BY RANGE (id);')
 
 # Round r's rows: flows r*N/3 .. as three-step flows, bodies shaped like the store's.
 rows_sql() {
