@@ -5,6 +5,9 @@
 # and inserts a digest row; the outbox row is never rewritten by it) and against bodies in a
 # table partitioned by id range with the digest written with the row (`parts`: compaction
 # drops a whole partition once all its rows are finished), and each without compaction.
+# `queue` is `parts` with an outbox row that is never updated: the rows the relay still has to
+# send are a queue table of their own (`(flow_id, seq, id)`, deleted by the mark) and the mark
+# inserts a row into `outbox_accepted` instead of updating the outbox row.
 #
 # Each round inserts 5 000 events (ids as `bench` makes them: f0000001-1, ...), marks them
 # accepted as the relay does (an UPDATE of each row), compacts them at retention 0 (or not)
@@ -15,7 +18,7 @@
 #
 #   scripts/measure_bodies_apart_pg.sh [rounds]      (default 40: 200 000 events a design)
 #   VACUUM_EVERY=16 scripts/measure_bodies_apart_pg.sh 80
-#   DESIGNS=parts scripts/measure_bodies_apart_pg.sh     (one design: inline, apart or parts)
+#   DESIGNS=parts scripts/measure_bodies_apart_pg.sh     (one design: inline, apart, parts or queue)
 set -euo pipefail
 ROUNDS=${1:-40}
 PSQL="psql -h 127.0.0.1 -U postgres -qAt -v ON_ERROR_STOP=1"
@@ -61,6 +64,32 @@ apart_ddl=$(outbox_ddl "$by_id" '' '' \
    CREATE TABLE outbox_digest(id BIGINT PRIMARY KEY, sha256 BYTEA NOT NULL);')
 parts_ddl=$(outbox_ddl "$by_id" 'body_sha256 BYTEA NOT NULL,' '' \
   'CREATE TABLE outbox_body(id BIGINT NOT NULL, body TEXT NOT NULL) PARTITION BY RANGE (id);')
+queue_ddl="
+CREATE TABLE outbox(
+    $by_id
+    flow_id TEXT COLLATE \"C\" NOT NULL,
+    seq BIGINT NOT NULL,
+    kind TEXT NOT NULL,
+    schema INTEGER NOT NULL,
+    body_sha256 BYTEA NOT NULL,
+    committed_at_us BIGINT NOT NULL,
+    partition SMALLINT NOT NULL,
+    UNIQUE(flow_id, seq)
+);
+CREATE TABLE outbox_unaccepted(flow_id TEXT COLLATE \"C\", seq BIGINT, id BIGINT NOT NULL,
+                               PRIMARY KEY (flow_id, seq));
+CREATE TABLE outbox_accepted(
+    id BIGINT PRIMARY KEY,
+    attempts BIGINT NOT NULL,
+    last_outcome TEXT,
+    accepted_at_us BIGINT,
+    accepted_by TEXT,
+    accepted_position BIGINT,
+    marked_by TEXT,
+    marked_epoch BIGINT
+);
+CREATE INDEX outbox_accepted_by ON outbox_accepted(accepted_by, accepted_position);
+CREATE TABLE outbox_body(id BIGINT NOT NULL, body TEXT NOT NULL) PARTITION BY RANGE (id);"
 
 # Round r's rows: flows r*N/3 .. as three-step flows, bodies shaped like the store's.
 rows_sql() {
@@ -80,6 +109,15 @@ mark_sql="UPDATE outbox SET accepted = 1, attempts = attempts + 1, last_outcome 
     accepted_position = committed_at_us - 1700000000000000, marked_by = 'relay-1', marked_epoch = 1
   WHERE accepted = 0;"
 
+# body_partition PSQL ROUND: round ROUND's partition of `outbox_body`, for the ids the
+# identity gives its rows next.
+body_partition() {
+  local q=$1 r=$2 from
+  from=$($q -c "SELECT coalesce(max(id), 0) + 1 FROM outbox")
+  $q -c "CREATE TABLE outbox_body_$r PARTITION OF outbox_body FOR VALUES FROM ($from) TO ($((from + N / 3 * 3)));
+         ALTER TABLE outbox_body_$r ADD PRIMARY KEY (id)"
+}
+
 CURRENT_DB=
 trap '[ -z "$CURRENT_DB" ] || $PSQL -c "DROP DATABASE IF EXISTS $CURRENT_DB WITH (FORCE)"' EXIT
 
@@ -92,6 +130,7 @@ run() {
     inline) $q -c "$inline_ddl" ;;
     apart) $q -c "$apart_ddl" ;;
     parts) $q -c "$parts_ddl" ;;
+    queue) $q -c "$queue_ddl" ;;
   esac
   for r in $(seq 0 $((ROUNDS - 1))); do
     if [ "$design" = inline ]; then
@@ -102,13 +141,26 @@ run() {
         $q -c "UPDATE outbox SET body_sha256 = sha256(convert_to(body, 'UTF8')), body = NULL
                WHERE accepted = 1 AND body IS NOT NULL"
       fi
+    elif [ "$design" = queue ]; then
+      body_partition "$q" "$r"
+      $q -c "WITH x AS ($(rows_sql $r)), o AS (
+               INSERT INTO outbox(event_id, flow_id, seq, kind, schema, body_sha256, committed_at_us, partition)
+               SELECT event_id, flow_id, seq, kind, schema, sha256(convert_to(body, 'UTF8')), committed_at_us,
+                      partition FROM x
+               RETURNING id, event_id, flow_id, seq), b AS (
+               INSERT INTO outbox_body(id, body) SELECT o.id, x.body FROM o JOIN x USING (event_id))
+             INSERT INTO outbox_unaccepted(flow_id, seq, id) SELECT flow_id, seq, id FROM o"
+      $q -c "WITH sent AS (DELETE FROM outbox_unaccepted u RETURNING u.id)
+             INSERT INTO outbox_accepted(id, attempts, last_outcome, accepted_at_us, accepted_by,
+                                         accepted_position, marked_by, marked_epoch)
+             SELECT o.id, 1, 'ACCEPTED', o.committed_at_us + 5000, '6c0914b7ee19a632c8e3f51183a0f96b',
+                    o.committed_at_us - 1700000000000000, 'relay-1', 1
+             FROM sent JOIN outbox o ON o.id = sent.id"
+      if [ "$compact" = 0 ]; then
+        $q -c "DROP TABLE outbox_body_$r"
+      fi
     elif [ "$design" = parts ]; then
-      # One partition per round: its rows' ids are the next ones the identity gives.
-      local from to
-      from=$($q -c "SELECT coalesce(max(id), 0) + 1 FROM outbox")
-      to=$((from + N / 3 * 3))
-      $q -c "CREATE TABLE outbox_body_$r PARTITION OF outbox_body FOR VALUES FROM ($from) TO ($to);
-             ALTER TABLE outbox_body_$r ADD PRIMARY KEY (id)"
+      body_partition "$q" "$r"
       $q -c "WITH x AS ($(rows_sql $r)), o AS (
                INSERT INTO outbox(event_id, flow_id, seq, kind, schema, body_sha256, committed_at_us, partition)
                SELECT event_id, flow_id, seq, kind, schema, sha256(convert_to(body, 'UTF8')), committed_at_us,
@@ -149,7 +201,7 @@ run() {
   CURRENT_DB=
 }
 
-for design in ${DESIGNS:-inline apart parts}; do
+for design in ${DESIGNS:-inline apart parts queue}; do
   for compact in off 0; do
     run "$design" "$compact"
   done
