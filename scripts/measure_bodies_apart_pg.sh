@@ -118,6 +118,18 @@ body_partition() {
          ALTER TABLE outbox_body_$r ADD PRIMARY KEY (id)"
 }
 
+# with_digested_rows ROUND: `WITH x` (round ROUND's rows) and `o` (their outbox rows, the
+# digest written with each, returning id, event_id, flow_id, seq), for `parts` and `queue`.
+with_digested_rows() {
+  cat <<SQL
+WITH x AS ($(rows_sql $1)), o AS (
+  INSERT INTO outbox(event_id, flow_id, seq, kind, schema, body_sha256, committed_at_us, partition)
+  SELECT event_id, flow_id, seq, kind, schema, sha256(convert_to(body, 'UTF8')), committed_at_us, partition
+  FROM x
+  RETURNING id, event_id, flow_id, seq)
+SQL
+}
+
 CURRENT_DB=
 trap '[ -z "$CURRENT_DB" ] || $PSQL -c "DROP DATABASE IF EXISTS $CURRENT_DB WITH (FORCE)"' EXIT
 
@@ -143,11 +155,7 @@ run() {
       fi
     elif [ "$design" = queue ]; then
       body_partition "$q" "$r"
-      $q -c "WITH x AS ($(rows_sql $r)), o AS (
-               INSERT INTO outbox(event_id, flow_id, seq, kind, schema, body_sha256, committed_at_us, partition)
-               SELECT event_id, flow_id, seq, kind, schema, sha256(convert_to(body, 'UTF8')), committed_at_us,
-                      partition FROM x
-               RETURNING id, event_id, flow_id, seq), b AS (
+      $q -c "$(with_digested_rows $r), b AS (
                INSERT INTO outbox_body(id, body) SELECT o.id, x.body FROM o JOIN x USING (event_id))
              INSERT INTO outbox_unaccepted(flow_id, seq, id) SELECT flow_id, seq, id FROM o"
       $q -c "WITH sent AS (DELETE FROM outbox_unaccepted u RETURNING u.id)
@@ -161,11 +169,7 @@ run() {
       fi
     elif [ "$design" = parts ]; then
       body_partition "$q" "$r"
-      $q -c "WITH x AS ($(rows_sql $r)), o AS (
-               INSERT INTO outbox(event_id, flow_id, seq, kind, schema, body_sha256, committed_at_us, partition)
-               SELECT event_id, flow_id, seq, kind, schema, sha256(convert_to(body, 'UTF8')), committed_at_us,
-                      partition FROM x
-               RETURNING id, event_id)
+      $q -c "$(with_digested_rows $r)
              INSERT INTO outbox_body(id, body) SELECT o.id, x.body FROM o JOIN x USING (event_id)"
       $q -c "$mark_sql"
       if [ "$compact" = 0 ]; then
