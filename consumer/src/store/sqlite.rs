@@ -862,6 +862,7 @@ fn compact_pass(
         if done {
             break;
         }
+        std::thread::sleep(runtime::retention::COMPACT_PAUSE);
     }
     let mut pages_freed = 0;
     if incremental {
@@ -873,6 +874,7 @@ fn compact_pass(
                 break;
             }
             pages_freed += given;
+            std::thread::sleep(runtime::retention::COMPACT_PAUSE);
         }
     }
     report.pages_freed = Some(pages_freed);

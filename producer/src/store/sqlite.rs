@@ -535,6 +535,7 @@ impl SqliteStore {
             if done.rows < batch as u64 {
                 break;
             }
+            tokio::time::sleep(runtime::retention::COMPACT_PAUSE).await;
         }
         let incremental = self
             .blocking("read auto_vacuum", |conn: &mut Connection, _: CrashSwitch| {
@@ -554,6 +555,7 @@ impl SqliteStore {
                 if step == 0 {
                     break;
                 }
+                tokio::time::sleep(runtime::retention::COMPACT_PAUSE).await;
             }
             report.pages_freed = Some(freed);
             if freed > 0 {
