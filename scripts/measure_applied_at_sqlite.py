@@ -13,21 +13,14 @@ shim) and divide the difference by 30 000:
     done; done
 
 It prints the pages in use afterwards (free pages excluded)."""
-import os
-import sqlite3
 import sys
+
+from fresh_sqlite import fresh
 
 shape, apply = sys.argv[1], sys.argv[2] == "1"
 assert shape in ("grow", "same")
 path = f"/tmp/measure_applied_at_{shape}{int(apply)}.db"
-for suffix in ("", "-wal", "-shm"):
-    try:
-        os.remove(path + suffix)
-    except FileNotFoundError:
-        pass
-c = sqlite3.connect(path, isolation_level=None)
-c.execute("PRAGMA journal_mode=WAL")
-c.execute("PRAGMA synchronous=OFF")
+c = fresh(path)
 c.executescript("""
 CREATE TABLE inbox(event_id TEXT PRIMARY KEY, flow_id TEXT NOT NULL, seq INTEGER NOT NULL CHECK(seq >= 1),
  kind TEXT NOT NULL, schema INTEGER NOT NULL,
