@@ -2391,6 +2391,12 @@ mod tests {
             .unwrap()
     }
 
+    /// `PRAGMA integrity_check` answers `ok`.
+    fn assert_intact(conn: &Connection) {
+        let check: String = conn.query_row("PRAGMA integrity_check", [], |r| r.get(0)).unwrap();
+        assert_eq!(check, "ok");
+    }
+
     /// The rows of a two-integer query.
     fn int_pairs(conn: &Connection, sql: &str) -> Vec<(i64, i64)> {
         conn.prepare(sql)
@@ -2484,8 +2490,7 @@ mod tests {
         assert_eq!(receive(&mut conn, &reference("C", 1)), ReceiveOutcome::Accepted);
         assert_eq!(step(&mut conn, "C"), Some(StepOutcome::Applied));
         assert_eq!(projections(&conn).len(), 3);
-        let check: String = conn.query_row("PRAGMA integrity_check", [], |r| r.get(0)).unwrap();
-        assert_eq!(check, "ok");
+        assert_intact(&conn);
     }
 
     /// A version 9 file's effect log is rebuilt keyed by position: every effect reads as
@@ -2542,8 +2547,7 @@ mod tests {
             )
             .unwrap_err();
         assert!(twice.to_string().contains("UNIQUE"), "{twice}");
-        let check: String = conn.query_row("PRAGMA integrity_check", [], |r| r.get(0)).unwrap();
-        assert_eq!(check, "ok");
+        assert_intact(&conn);
     }
 
     /// A version 10 file's tombstones keep their digests, moved to `inbox_digest`; the rows
@@ -2578,8 +2582,7 @@ mod tests {
         let second = runtime::retention::body_digest(reference("A", 2).canonical_body().as_bytes());
         assert_eq!((rows[1].body.as_str(), rows[1].compacted), ("", Some(second)));
         assert_eq!(int_pairs(&conn, "SELECT position, length(sha256) FROM inbox_digest"), [(1, 32), (2, 32)]);
-        let check: String = conn.query_row("PRAGMA integrity_check", [], |r| r.get(0)).unwrap();
-        assert_eq!(check, "ok");
+        assert_intact(&conn);
     }
 
     /// A version 11 file's applied rows lose their own time and keep their effect's: the
@@ -2621,8 +2624,7 @@ mod tests {
             .collect::<rusqlite::Result<_>>()
             .unwrap();
         assert_eq!(states, ["applied", "applied", "applied"]);
-        let check: String = conn.query_row("PRAGMA integrity_check", [], |r| r.get(0)).unwrap();
-        assert_eq!(check, "ok");
+        assert_intact(&conn);
     }
 
     #[test]

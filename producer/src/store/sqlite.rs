@@ -1427,6 +1427,11 @@ mod tests {
         );
         assert_eq!(flows(&conn).iter().map(|f| f.1).collect::<Vec<_>>(), [3, 1, 1]);
         assert_eq!(unaccepted_count(&conn).unwrap(), 4);
+        assert_intact(&conn);
+    }
+
+    /// `PRAGMA integrity_check` answers `ok`.
+    fn assert_intact(conn: &Connection) {
         let check: String = conn.query_row("PRAGMA integrity_check", [], |r| r.get(0)).unwrap();
         assert_eq!(check, "ok");
     }
@@ -1460,8 +1465,7 @@ mod tests {
         assert_eq!(ddl, v7_ddl.replace(" REFERENCES flow(flow_id)", ""));
         assert_eq!(flow_outbox_of_old_file(&conn, "A"), rows);
         run_on_old_file(&mut conn, &step_of("A", "A2", 1, "confirmed"));
-        let check: String = conn.query_row("PRAGMA integrity_check", [], |r| r.get(0)).unwrap();
-        assert_eq!(check, "ok");
+        assert_intact(&conn);
         // A new file is built the same way.
         let fresh = db::open(&dir.path().join("new.db"), &v8, OpenMode::Create).unwrap();
         assert_eq!(outbox_shape(&fresh), (ddl, 0));
@@ -1516,8 +1520,7 @@ mod tests {
         let digests: i64 = conn.query_row("SELECT count(*) FROM outbox_digest", [], |r| r.get(0)).unwrap();
         assert_eq!(digests, 2);
         assert!(flow_outbox(&conn, "A").unwrap().iter().all(|r| r.compacted && r.body_sha256.is_some()));
-        let check: String = conn.query_row("PRAGMA integrity_check", [], |r| r.get(0)).unwrap();
-        assert_eq!(check, "ok");
+        assert_intact(&conn);
     }
 
     #[test]
@@ -1585,8 +1588,7 @@ mod tests {
             .collect::<Result<_, _>>()
             .unwrap();
         assert_eq!(ids, [2, 3]);
-        let check: String = conn.query_row("PRAGMA integrity_check", [], |r| r.get(0)).unwrap();
-        assert_eq!(check, "ok");
+        assert_intact(&conn);
     }
 
     /// A flow row in a state the code does not know (a hand-edited file) is refused as
