@@ -628,7 +628,9 @@ pub fn database_bytes(conn: &Connection) -> rusqlite::Result<u64> {
 
 /// One bounded `PRAGMA incremental_vacuum` step in its own write transaction: `step` says how
 /// many of the free pages to give back to the file system (0: none). Returns the pages given
-/// back; 0 means the caller is done.
+/// back; 0 means the caller is done. The pragma gives back one page per `sqlite3_step`, so it
+/// is stepped to its end here (`execute_batch` steps a statement once: every transaction gave
+/// back a single page, and a pass took one commit per page).
 pub fn give_back_free_pages(conn: &mut Connection, step: impl Fn(u64) -> u64) -> rusqlite::Result<u64> {
     let tx = begin_immediate(conn)?;
     let free = |tx: &Transaction<'_>| tx.query_row("PRAGMA freelist_count", [], |r| r.get::<_, u64>(0));
@@ -637,7 +639,11 @@ pub fn give_back_free_pages(conn: &mut Connection, step: impl Fn(u64) -> u64) ->
     if pages == 0 {
         return Ok(0);
     }
-    tx.execute_batch(&format!("PRAGMA incremental_vacuum({pages})"))?;
+    {
+        let mut vacuum = tx.prepare(&format!("PRAGMA incremental_vacuum({pages})"))?;
+        let mut rows = vacuum.query([])?;
+        while rows.next()?.is_some() {}
+    }
     let after = free(&tx)?;
     tx.commit()?;
     Ok(before.saturating_sub(after))
@@ -694,6 +700,33 @@ mod tests {
         conn.pragma_update(None, "user_version", 2).unwrap();
         drop(conn);
         assert!(matches!(open(&path, &KIND, OpenMode::Create), Err(DbError::Newer { found: 2, .. })));
+    }
+
+    /// One give-back step returns as many free pages as it is asked for, in one transaction
+    /// (not one page: the pragma must be stepped to its end), and the file shrinks by them.
+    #[test]
+    fn one_give_back_step_returns_every_page_it_is_asked_for() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.db");
+        let mut conn = open(&path, &KIND, OpenMode::Create).unwrap();
+        conn.execute_batch(
+            "CREATE TABLE big(b BLOB);
+             WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 600)
+             INSERT INTO big SELECT zeroblob(3000) FROM n;
+             DELETE FROM big;",
+        )
+        .unwrap();
+        let free =
+            |conn: &Connection| conn.query_row("PRAGMA freelist_count", [], |r| r.get::<_, u64>(0)).unwrap();
+        let before = free(&conn);
+        assert!(before >= 600, "{before} free pages");
+        let pages = database_bytes(&conn).unwrap();
+        assert_eq!(give_back_free_pages(&mut conn, |_| 256).unwrap(), 256);
+        assert_eq!(free(&conn), before - 256);
+        assert_eq!(database_bytes(&conn).unwrap(), pages - 256 * 4096);
+        assert_eq!(give_back_free_pages(&mut conn, |free| free).unwrap(), before - 256);
+        assert_eq!(free(&conn), 0);
+        assert_eq!(give_back_free_pages(&mut conn, |free| free).unwrap(), 0);
     }
 
     #[test]
