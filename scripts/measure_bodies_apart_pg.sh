@@ -7,18 +7,20 @@
 # drops a whole partition once all its rows are finished), and each without compaction.
 # `queue` is `parts` with an outbox row that is never updated: the rows the relay still has to
 # send are a queue table of their own (`(flow_id, seq, id)`, deleted by the mark) and the mark
-# inserts a row into `outbox_accepted` instead of updating the outbox row.
+# inserts a row into `outbox_accepted` instead of updating the outbox row. `hot` and `hot90`
+# are `inline` with compaction allowed to be a HOT update (see their DDL below).
 #
 # Each round inserts 5 000 events (ids as `bench` makes them: f0000001-1, ...), marks them
 # accepted as the relay does (an UPDATE of each row), compacts them at retention 0 (or not)
 # and runs VACUUM on every table every VACUUM_EVERY rounds (default 1; standing in for
 # autovacuum, which the shared server does not run: at 8 000 events/s a 10 s naptime is 16
 # rounds). After every 10 rounds it prints, per event, the bytes of all the design's relations
-# (heaps, indexes, TOAST) and of the outbox's indexes alone.
+# (heaps, indexes, TOAST) and of the outbox's indexes alone, and how many of the outbox's
+# updates so far were HOT.
 #
 #   scripts/measure_bodies_apart_pg.sh [rounds]      (default 40: 200 000 events a design)
 #   VACUUM_EVERY=16 scripts/measure_bodies_apart_pg.sh 80
-#   DESIGNS=parts scripts/measure_bodies_apart_pg.sh     (one design: inline, apart, parts or queue)
+#   DESIGNS=parts scripts/measure_bodies_apart_pg.sh     (one design: inline, hot, hot90, apart, parts or queue)
 set -euo pipefail
 ROUNDS=${1:-40}
 PSQL="psql -h 127.0.0.1 -U postgres -qAt -v ON_ERROR_STOP=1"
@@ -59,6 +61,11 @@ SQL
 by_id='id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, event_id TEXT COLLATE "C" NOT NULL UNIQUE,'
 inline_ddl=$(outbox_ddl 'event_id TEXT COLLATE "C" PRIMARY KEY,' 'body TEXT,' 'body_sha256 BYTEA,' \
   'CREATE INDEX outbox_compactable ON outbox(accepted_at_us) WHERE accepted = 1 AND body IS NOT NULL;')
+# `hot`: `inline` with the compactable rows' index not naming `body`, so compaction changes
+# no indexed column and may be a HOT update (no new index entries); `hot90` leaves each heap
+# page 10 % free for the new versions.
+hot_ddl=$(outbox_ddl 'event_id TEXT COLLATE "C" PRIMARY KEY,' 'body TEXT,' 'body_sha256 BYTEA,' \
+  'CREATE INDEX outbox_compactable ON outbox(accepted_at_us) WHERE accepted = 1;')
 apart_ddl=$(outbox_ddl "$by_id" '' '' \
   'CREATE TABLE outbox_body(id BIGINT PRIMARY KEY, body TEXT NOT NULL);
    CREATE TABLE outbox_digest(id BIGINT PRIMARY KEY, sha256 BYTEA NOT NULL);')
@@ -140,12 +147,14 @@ run() {
   local q="$PSQL -d $db"
   case $design in
     inline) $q -c "$inline_ddl" ;;
+    hot) $q -c "$hot_ddl" ;;
+    hot90) $q -c "$hot_ddl ALTER TABLE outbox SET (fillfactor = 90);" ;;
     apart) $q -c "$apart_ddl" ;;
     parts) $q -c "$parts_ddl" ;;
     queue) $q -c "$queue_ddl" ;;
   esac
   for r in $(seq 0 $((ROUNDS - 1))); do
-    if [ "$design" = inline ]; then
+    if [ "$design" = inline ] || [ "$design" = hot ] || [ "$design" = hot90 ]; then
       $q -c "INSERT INTO outbox(event_id, flow_id, seq, kind, schema, body, committed_at_us, partition)
              SELECT event_id, flow_id, seq, kind, schema, body, committed_at_us, partition FROM ($(rows_sql $r)) x"
       $q -c "$mark_sql"
@@ -199,6 +208,8 @@ run() {
                || ' bytes per event, of which the outbox''s indexes '
                || round(pg_indexes_size('outbox')::numeric / count(*), 1)
              FROM outbox"
+      $q -c "SELECT '  outbox updates ' || n_tup_upd || ', of which HOT ' || n_tup_hot_upd
+             FROM pg_stat_user_tables WHERE relname = 'outbox'"
     fi
   done
   $PSQL -c "DROP DATABASE $db"
