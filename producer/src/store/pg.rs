@@ -39,13 +39,13 @@ use crate::request::AdvanceCommand;
 /// identity in `meta`, accepted-by columns from the start; version 2: each outbox row's
 /// partition and who marked it, the relays' lease and heartbeat tables; version 3: tombstones,
 /// see [`UPGRADE_TO_3`]; version 4: no foreign key from the outbox to `flow`, see
-/// [`UPGRADE_TO_4`]).
+/// [`UPGRADE_TO_4`]; version 5: consumer databases by key, see [`UPGRADE_TO_5`]).
 pub const KIND: PgKind = PgKind {
     name: "producer",
     schema: "ordered_events_producer",
-    version: 4,
+    version: 5,
     ddl: DDL,
-    upgrades: &[UPGRADE_TO_2, UPGRADE_TO_3, UPGRADE_TO_4],
+    upgrades: &[UPGRADE_TO_2, UPGRADE_TO_3, UPGRADE_TO_4, UPGRADE_TO_5],
 };
 
 /// Version 3 (retention): compaction drops an accepted row's body in place (`body` NULL) and
@@ -84,6 +84,47 @@ macro_rules! no_outbox_flow_key {
     };
 }
 const UPGRADE_TO_4: &str = no_outbox_flow_key!();
+
+/// Version 5: an accepted row names the consumer database that holds it by an integer key
+/// into `consumer_database` instead of the 32-character database id, which every accepted row
+/// kept for ever in the row and again in `outbox_accepted_by` (as SQLite's schema 6 does).
+/// `consumer_key` gives a database id its key (NULL for NULL), adding it the first time;
+/// each statement in it reads the newest committed rows, so two relays adding the same id
+/// at once get the same key. The upgrade keys the ids already recorded and rewrites the column once (an
+/// `ALTER ... TYPE`, not an `UPDATE` that would leave a dead version of every accepted row);
+/// an older relay still running then fails its mark (a text id into an integer column)
+/// instead of mixing the two.
+macro_rules! consumer_keys {
+    () => {
+        r#"
+CREATE TABLE consumer_database(
+    id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    database_id TEXT COLLATE "C" NOT NULL UNIQUE
+);
+CREATE FUNCTION consumer_key(db TEXT) RETURNS BIGINT LANGUAGE plpgsql STRICT AS $fn$
+DECLARE
+    key BIGINT;
+BEGIN
+    SELECT id INTO key FROM consumer_database WHERE database_id = db;
+    IF key IS NULL THEN
+        INSERT INTO consumer_database(database_id) VALUES (db)
+            ON CONFLICT (database_id) DO NOTHING RETURNING id INTO key;
+    END IF;
+    IF key IS NULL THEN
+        SELECT id INTO key FROM consumer_database WHERE database_id = db;
+    END IF;
+    RETURN key;
+END
+$fn$;
+INSERT INTO consumer_database(database_id)
+    SELECT DISTINCT accepted_by FROM outbox WHERE accepted_by IS NOT NULL ORDER BY 1;
+DROP INDEX outbox_accepted_by;
+ALTER TABLE outbox ALTER COLUMN accepted_by TYPE BIGINT USING consumer_key(accepted_by);
+CREATE INDEX outbox_accepted_by ON outbox(accepted_by, accepted_position) WHERE accepted = 1;
+"#
+    };
+}
+const UPGRADE_TO_5: &str = consumer_keys!();
 
 /// The relays' shared state (version 2): one lease row per partition (who holds it, the
 /// epoch every mark proves, until when by the database's clock) and one heartbeat row per
@@ -152,7 +193,8 @@ INSERT INTO backlog(id, unaccepted) VALUES (1, 0);
     lease_ddl!(),
     proto::flow_partition_sql!(),
     tombstones_sql!(),
-    no_outbox_flow_key!()
+    no_outbox_flow_key!(),
+    consumer_keys!()
 );
 
 /// Version 1 to 2: every existing row gets its partition computed by the database with the
@@ -413,9 +455,13 @@ impl PgStore {
     pub(super) async fn recorded_consumer_db(&self) -> Result<Option<String>, StoreError> {
         let what = "read the consumer database of accepted rows";
         let client = self.client().await?;
-        // The last entry of `outbox_accepted_by` (an index-only read backwards).
+        // The last entry of `outbox_accepted_by` (an index-only read backwards), by its id.
         let row = client
-            .query_one("SELECT max(accepted_by) FROM outbox WHERE accepted = 1", &[])
+            .query_one(
+                "SELECT (SELECT database_id FROM consumer_database WHERE id =
+                   (SELECT max(accepted_by) FROM outbox WHERE accepted = 1))",
+                &[],
+            )
             .await
             .map_err(|e| StoreError::from(e).during(what))?;
         row.try_get(0).map_err(|e| StoreError::from(e).during(what))
@@ -433,7 +479,8 @@ impl PgStore {
         let stmt = client
             .prepare_cached(
                 "SELECT accepted_position, event_id FROM outbox
-                 WHERE accepted = 1 AND accepted_by = $1 AND accepted_position <= $2
+                 WHERE accepted = 1 AND accepted_position <= $2
+                   AND accepted_by = (SELECT id FROM consumer_database WHERE database_id = $1)
                    AND (accepted_position < $2 OR event_id < $3)
                    AND ($5::smallint[] IS NULL OR partition = ANY($5))
                  ORDER BY accepted_position DESC, event_id DESC LIMIT $4",
@@ -778,7 +825,13 @@ impl PgStore {
             probed.into_iter().filter_map(|(p, id)| Some((i64::try_from(p).ok()?, id))).collect();
         let probed_positions: Vec<i64> = probed.iter().map(|(p, _)| *p).collect();
         let probed_ids: Vec<String> = probed.into_iter().map(|(_, id)| id).collect();
-        let consumer_db = consumer_db.as_str();
+        // The database's key, added now if no row names it yet: a relay that marks rows
+        // for it meanwhile writes this key, so they are never judged another database's.
+        let key: i64 = client
+            .query_one("SELECT consumer_key($1)", &[&consumer_db])
+            .await
+            .map_err(|e| StoreError::from(e).during("key the consumer database"))?
+            .try_get(0)?;
         retrying(client, "unmark rows the consumer lost", async |client: &Conn| {
             {
                 let other = client
@@ -834,9 +887,9 @@ impl PgStore {
                     )
                     .await?;
                 // BEGIN and the reads in one round trip, one transaction with the unmark.
-                let by: Params<'_, 2> = [&consumer_db, &partitions];
-                let by_beyond: Params<'_, 3> = [&consumer_db, &highest, &partitions];
-                let by_probe: Params<'_, 4> = [&consumer_db, &probed_ids, &probed_positions, &partitions];
+                let by: Params<'_, 2> = [&key, &partitions];
+                let by_beyond: Params<'_, 3> = [&key, &highest, &partitions];
+                let by_probe: Params<'_, 4> = [&key, &probed_ids, &probed_positions, &partitions];
                 let (begun, other, beyond, recorded, sample, compacted, probed) = futures::join!(
                     client.batch_execute("BEGIN"),
                     client.query_one(&other, &by),
@@ -901,10 +954,10 @@ impl PgStore {
                         )
                         .await?;
                     let mut accepted =
-                        client.execute(&accept_lost, &[&consumer_db, &highest, &LOST_ACCEPTED, &partitions]).await?;
+                        client.execute(&accept_lost, &[&key, &highest, &LOST_ACCEPTED, &partitions]).await?;
                     if !probed_ids.is_empty() {
                         let params: Params<'_, 5> =
-                            [&consumer_db, &probed_ids, &probed_positions, &LOST_ACCEPTED, &partitions];
+                            [&key, &probed_ids, &probed_positions, &LOST_ACCEPTED, &partitions];
                         accepted += client.execute(&accept_probed, &params).await?;
                     }
                     lost.loss_accepted = accepted;
@@ -931,10 +984,10 @@ impl PgStore {
                     )
                     .await?;
                 let mut unmarked =
-                    client.query(&unmark, &[&consumer_db, &highest, &LOST_BY_CONSUMER, &partitions]).await?;
+                    client.query(&unmark, &[&key, &highest, &LOST_BY_CONSUMER, &partitions]).await?;
                 if !probed_ids.is_empty() {
                     let probed_params: Params<'_, 5> =
-                        [&consumer_db, &probed_ids, &probed_positions, &LOST_BY_CONSUMER, &partitions];
+                        [&key, &probed_ids, &probed_positions, &LOST_BY_CONSUMER, &partitions];
                     unmarked.extend(client.query(&unmark_probed, &probed_params).await?);
                 }
                 // The reads above ran before the rows were locked: a compaction that
@@ -1004,7 +1057,8 @@ async fn compact_batch(
 
 /// Records a run of answers in ONE statement. `t`: the answers in order; `a`: one line per
 /// event (its sends counted, the last answer's word, accepted when any answer holds it, the
-/// last holding answer's consumer and position); `fence`: the lease rows that still name
+/// last holding answer's consumer and position); `k`: the key of each consumer database
+/// named (`consumer_key`, added the first time); `fence`: the lease rows that still name
 /// this owner, share-locked, so a takeover waits for this statement and a takeover that
 /// committed first leaves them out; `ok`: the outbox rows to record, locked and read at
 /// their newest version (an unfenced answer needs no lease); `u` records them; `b` moves
@@ -1023,6 +1077,9 @@ a AS (
            min(part) AS part, min(epoch) AS epoch
     FROM t GROUP BY id
 ),
+k AS MATERIALIZED (
+    SELECT db, consumer_key(db) AS key FROM (SELECT DISTINCT by AS db FROM a WHERE by IS NOT NULL) d
+),
 fence AS (
     SELECT l.partition, l.epoch FROM relay_lease l
     WHERE l.owner = $8 AND l.partition IN (SELECT part FROM a WHERE epoch IS NOT NULL)
@@ -1038,7 +1095,8 @@ u AS (
     UPDATE outbox o SET attempts = o.attempts + ok.sends, last_outcome = ok.word,
         accepted_at_us = CASE WHEN ok.holds AND ok.was = 0 THEN $9 ELSE o.accepted_at_us END,
         accepted = CASE WHEN ok.holds THEN 1 ELSE o.accepted END,
-        accepted_by = CASE WHEN ok.by IS NOT NULL THEN ok.by ELSE o.accepted_by END,
+        accepted_by = CASE WHEN ok.by IS NOT NULL THEN (SELECT k.key FROM k WHERE k.db = ok.by)
+                           ELSE o.accepted_by END,
         accepted_position = CASE WHEN ok.by IS NOT NULL THEN ok.pos ELSE o.accepted_position END,
         marked_by = CASE WHEN ok.holds THEN $8 ELSE o.marked_by END,
         marked_epoch = CASE WHEN ok.holds THEN ok.epoch ELSE o.marked_epoch END

@@ -345,11 +345,8 @@ async fn deliveries_are_recorded_and_only_holding_answers_mark() {
         outcome(&store, cmd("A1", 0, "reserved", 1, 3)).await;
         outcome(&store, cmd("A2", 1, "confirmed", 1, 3)).await;
         let where_ = async |id: &str| {
-            // SQLite names the consumer database by a key into `consumer_database`.
-            let by = match &place {
-                Place::Sqlite(_) => "(SELECT database_id FROM consumer_database c WHERE c.id = accepted_by)",
-                Place::Postgres(_) => "accepted_by",
-            };
+            // Both name the consumer database by a key into `consumer_database`.
+            let by = "(SELECT database_id FROM consumer_database c WHERE c.id = accepted_by)";
             place
                 .text(&format!(
                     "SELECT coalesce({by}, '-') || '@' || coalesce(CAST(accepted_position AS TEXT), '-')
@@ -634,6 +631,18 @@ async fn two_producers_on_one_schema_commit_each_step_once() {
     assert_eq!(place.text("SELECT CAST(unaccepted AS TEXT) FROM backlog").await.as_deref(), Some("10"));
 }
 
+/// Back from version 5 to 4's shape on PostgreSQL, rows kept: each accepted row names its
+/// consumer database by the id again (the tests of older upgrades start from there).
+const PG_BACK_TO_4: &str = "
+    CREATE FUNCTION pg_temp.database_of(k BIGINT) RETURNS TEXT LANGUAGE sql
+        AS 'SELECT database_id FROM consumer_database WHERE id = k';
+    DROP INDEX outbox_accepted_by;
+    ALTER TABLE outbox ALTER COLUMN accepted_by TYPE TEXT USING pg_temp.database_of(accepted_by);
+    DROP FUNCTION consumer_key(text);
+    DROP TABLE consumer_database;
+    CREATE INDEX outbox_accepted_by ON outbox(accepted_by, accepted_position) WHERE accepted = 1;
+    UPDATE meta SET schema_version = 4;";
+
 /// Version 1 to 2 in place: rows written before the upgrade get the partition the producer
 /// computes ([`proto::partition::flow_partition`]), by the same function in SQL, and the
 /// SQL function agrees with the Rust one on ids of every shape.
@@ -650,6 +659,7 @@ async fn the_upgrade_to_version_2_computes_every_rows_partition_as_the_producer_
         }
     }
     // Back to version 1's shape, rows kept.
+    place.sql("", PG_BACK_TO_4).await;
     place
         .sql(
             "",
@@ -860,6 +870,7 @@ async fn the_upgrade_to_version_3_keeps_every_body_and_compacts_afterwards() {
     }
     // Back to version 2's shape, rows kept. The foreign key is added unnamed, as versions 1-3
     // declared it: the name PostgreSQL gives it is the one version 4 drops.
+    place.sql("", PG_BACK_TO_4).await;
     place
         .sql(
             "",
@@ -889,6 +900,56 @@ async fn the_upgrade_to_version_3_keeps_every_body_and_compacts_afterwards() {
         Some(
             "{autovacuum_vacuum_scale_factor=0.02,autovacuum_vacuum_threshold=1000,autovacuum_vacuum_insert_scale_factor=0.02}"
         )
+    );
+}
+
+/// Version 4 to 5 on PostgreSQL in place: the consumer database ids the accepted rows named
+/// become keys into `consumer_database`, every row keeps its database and position, and the
+/// reads and marks that name a database by its id go on as before.
+#[tokio::test]
+async fn the_upgrade_to_version_5_keys_the_consumer_databases_and_keeps_every_position() {
+    let Some(db) = TestDb::create("producer_store_upgrade_5") else { return };
+    let place = Place::Postgres(db);
+    let named = "SELECT string_agg(event_id || ' ' || coalesce(CAST(accepted_by AS TEXT), '-') || '@'
+                     || coalesce(CAST(accepted_position AS TEXT), '-'), ', ' ORDER BY event_id) FROM outbox";
+    {
+        let store = place.open(None).await;
+        for (i, flow) in ["A", "B", "C"].iter().enumerate() {
+            outcome(&store, cmd_on(flow, &format!("{flow}1"), 0, "reserved", 1, 3)).await;
+            let consumer = ["c-old", "c-new", "c-new"][i];
+            let answer = accepted(&format!("{flow}1"), DeliveryAnswer::Accepted, 10 + i as u64);
+            store.record_deliveries(vec![answer], Some(consumer.into())).await.unwrap();
+        }
+        outcome(&store, cmd_on("D", "D1", 0, "reserved", 1, 3)).await;
+    }
+    place.sql("", PG_BACK_TO_4).await;
+    assert_eq!(place.text(named).await.as_deref(), Some("A1 c-old@10, B1 c-new@11, C1 c-new@12, D1 -@-"));
+    let store = place.open(None).await;
+    assert_eq!(place.text("SELECT CAST(schema_version AS TEXT) FROM meta").await.as_deref(), Some("5"));
+    let keyed = "SELECT string_agg(o.event_id || ' ' || coalesce(c.database_id, '-') || '@'
+                     || coalesce(CAST(o.accepted_position AS TEXT), '-'), ', ' ORDER BY o.event_id)
+                 FROM outbox o LEFT JOIN consumer_database c ON c.id = o.accepted_by";
+    assert_eq!(place.text(keyed).await.as_deref(), Some("A1 c-old@10, B1 c-new@11, C1 c-new@12, D1 -@-"));
+    assert_eq!(
+        place
+            .text("SELECT data_type FROM information_schema.columns WHERE column_name = 'accepted_by'")
+            .await,
+        Some("bigint".into())
+    );
+    // The reads by id: the database of the last key (keys follow the ids' order at the
+    // upgrade: the one version 4 read, the largest id), and a database's rows by position.
+    assert_eq!(store.recorded_consumer_db().await.unwrap().as_deref(), Some("c-old"));
+    let page = store.accepted_page("c-new".into(), None, 10, None).await.unwrap();
+    assert_eq!(page, [(12, "C1".to_owned()), (11, "B1".to_owned())]);
+    // A mark for a database no row named yet adds its key.
+    store
+        .record_deliveries(vec![accepted("D1", DeliveryAnswer::Accepted, 3)], Some("c-3".into()))
+        .await
+        .unwrap();
+    assert_eq!(place.text(keyed).await.as_deref(), Some("A1 c-old@10, B1 c-new@11, C1 c-new@12, D1 c-3@3"));
+    assert_eq!(
+        place.text("SELECT CAST(count(*) AS TEXT) FROM consumer_database").await.as_deref(),
+        Some("3")
     );
 }
 
