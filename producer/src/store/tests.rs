@@ -953,6 +953,35 @@ async fn the_upgrade_to_version_5_keys_the_consumer_databases_and_keeps_every_po
     );
 }
 
+/// PostgreSQL: relays whose first marks for a consumer database run at once give it one key,
+/// and every row they mark names it (none is left without its database).
+#[tokio::test]
+async fn relays_marking_for_a_new_consumer_database_at_once_record_one_key() {
+    let Some(db) = TestDb::create("producer_store_key_race") else { return };
+    let place = Place::Postgres(db);
+    let stores = futures::future::join_all((0..4).map(|_| place.open(None))).await;
+    for i in 0..40 {
+        let c = cmd_on(&format!("F{i}"), &format!("F{i}-1"), 0, "reserved", 1, 3);
+        assert_eq!(outcome(&stores[0], c).await, AdvanceOutcome::Committed);
+    }
+    let marks = stores.iter().enumerate().map(|(s, store)| {
+        let answers = (s * 10..s * 10 + 10)
+            .map(|i| accepted(&format!("F{i}-1"), DeliveryAnswer::Accepted, i as u64 + 1))
+            .collect();
+        store.record_deliveries(answers, Some("c-race".into()))
+    });
+    for marked in futures::future::join_all(marks).await {
+        marked.unwrap();
+    }
+    assert_eq!(
+        place.text("SELECT CAST(count(*) AS TEXT) FROM consumer_database").await.as_deref(),
+        Some("1")
+    );
+    let named = "SELECT CAST(count(*) AS TEXT) FROM outbox
+                 WHERE accepted = 1 AND accepted_by = (SELECT id FROM consumer_database WHERE database_id = 'c-race')";
+    assert_eq!(place.text(named).await.as_deref(), Some("40"));
+}
+
 /// SQLite: a pass gives the pages the deleted bodies freed back to the file system (a new
 /// file has `auto_vacuum = INCREMENTAL`), and the file shrinks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
