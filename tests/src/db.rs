@@ -368,23 +368,27 @@ pub struct Trigger {
     pub when: Option<&'static str>,
     /// The error message.
     pub message: &'static str,
-    /// Where SQLite stores those rows when its table differs from PostgreSQL's (`table` and
-    /// `when` there): consumer.db's `effect` is a view over `effect_log` (schema 8).
-    pub sqlite: Option<SqliteRows>,
+    /// Where the stores keep those rows when `table` is a view over another table (`table`
+    /// and `when` there): the consumer's `effect` is a view over `effect_log` (consumer.db
+    /// schema 8, PostgreSQL consumer schema 7).
+    pub stored: Option<StoredRows>,
 }
 
-/// A trigger's table and condition on SQLite, when they differ from PostgreSQL's.
+/// A trigger's table and condition when the rows are stored apart from the view the
+/// trigger names; the condition per dialect (`NEW` names the stored row).
 #[derive(Clone, Copy, Debug)]
-pub struct SqliteRows {
+pub struct StoredRows {
     /// The table whose inserts it rejects.
     pub table: &'static str,
-    /// Which rows (a condition on `NEW`), or `None` for every row.
-    pub when: Option<&'static str>,
+    /// Which rows on SQLite (a condition on `NEW`), or `None` for every row.
+    pub sqlite_when: Option<&'static str>,
+    /// Which rows on PostgreSQL (a condition on `NEW`, subqueries allowed), or `None`.
+    pub pg_when: Option<&'static str>,
 }
 
-impl SqliteRows {
-    /// consumer.db's effects (`effect_log`), every row.
-    pub const EFFECTS: SqliteRows = SqliteRows { table: "effect_log", when: None };
+impl StoredRows {
+    /// The consumer's effects (`effect_log`), every row.
+    pub const EFFECTS: StoredRows = StoredRows { table: "effect_log", sqlite_when: None, pg_when: None };
 }
 
 impl Trigger {
@@ -393,8 +397,8 @@ impl Trigger {
         let Trigger { name, table, message, .. } = *self;
         match target {
             Target::Sqlite(_) => {
-                let (table, when) = match self.sqlite {
-                    Some(rows) => (rows.table, rows.when),
+                let (table, when) = match self.stored {
+                    Some(rows) => (rows.table, rows.sqlite_when),
                     None => (table, self.when),
                 };
                 let when = when.map(|w| format!(" WHEN {w}")).unwrap_or_default();
@@ -404,7 +408,11 @@ impl Trigger {
             }
             Target::Postgres(_) => {
                 let schema = self.store.pg_schema();
-                let when = self.when.unwrap_or("true");
+                let (table, when) = match self.stored {
+                    Some(rows) => (rows.table, rows.pg_when),
+                    None => (table, self.when),
+                };
+                let when = when.unwrap_or("true");
                 format!(
                     "CREATE FUNCTION {schema}.{name}() RETURNS trigger LANGUAGE plpgsql AS $body$
                      BEGIN
@@ -420,7 +428,8 @@ impl Trigger {
 
     /// The DDL removing it.
     pub fn drop_sql(&self, target: &Target) -> String {
-        let Trigger { name, table, .. } = *self;
+        let Trigger { name, .. } = *self;
+        let table = self.stored.map_or(self.table, |rows| rows.table);
         match target {
             Target::Sqlite(_) => format!("DROP TRIGGER {name};"),
             Target::Postgres(_) => {
@@ -938,7 +947,7 @@ mod tests {
             table: "effect",
             when: Some("NEW.flow_id = 'A'"),
             message: "rejected by the harness test",
-            sqlite: None,
+            stored: None,
         };
         trigger.install(&target);
         let err = insert_effect(&target, "A1", "A").expect_err("flow A is rejected");

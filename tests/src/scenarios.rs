@@ -12,7 +12,7 @@ use proto::pb;
 use serde_json::{Value, json};
 
 use crate::backend::Target;
-use crate::db::{SqliteRows, Store, Trigger};
+use crate::db::{Store, StoredRows, Trigger};
 use crate::proc::{START_DEADLINE, bin_path, relay_armed};
 use crate::race::race;
 use crate::{Consumer, Producer, Workdir, advance, db, envelope, reference_envelopes, relay};
@@ -502,7 +502,7 @@ const REJECT_OUTBOX: Trigger = Trigger {
     table: "outbox",
     when: None,
     message: "outbox insert rejected by test trigger",
-    sqlite: None,
+    stored: None,
 };
 
 /// The test trigger of `effect_trigger`: every effect insert fails.
@@ -512,7 +512,7 @@ const REJECT_EFFECT: Trigger = Trigger {
     table: "effect",
     when: None,
     message: "effect insert rejected by test trigger",
-    sqlite: Some(SqliteRows::EFFECTS),
+    stored: Some(StoredRows::EFFECTS),
 };
 
 async fn outbox_trigger() -> Value {

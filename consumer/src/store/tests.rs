@@ -43,12 +43,13 @@ impl ConsumerStore {
     }
 }
 
-/// A PL/pgSQL trigger function raising `message`, and its trigger.
+/// A PL/pgSQL trigger function raising `message` for the rows `when` names (a condition on
+/// `NEW`; subqueries allowed, as a trigger's own WHEN does not), and its trigger.
 fn pg_reject(table: &str, when: &str, message: &str) -> String {
     format!(
         "CREATE FUNCTION reject_{table}() RETURNS trigger LANGUAGE plpgsql AS $$
-         BEGIN RAISE EXCEPTION '{message}'; END $$;
-         CREATE TRIGGER reject_{table} BEFORE INSERT ON {table} FOR EACH ROW WHEN ({when})
+         BEGIN IF {when} THEN RAISE EXCEPTION '{message}'; END IF; RETURN NEW; END $$;
+         CREATE TRIGGER reject_{table} BEFORE INSERT ON {table} FOR EACH ROW
          EXECUTE FUNCTION reject_{table}();"
     )
 }
@@ -514,7 +515,11 @@ async fn a_rejected_effect_insert_leaves_no_partial_state() {
                     "(SELECT seq FROM inbox WHERE rowid = NEW.position) = 2",
                     "effects frozen",
                 ),
-                &pg_reject("effect", "NEW.seq = 2", "effects frozen"),
+                &pg_reject(
+                    "effect_log",
+                    "(SELECT seq FROM inbox WHERE position = NEW.position) = 2",
+                    "effects frozen",
+                ),
             )
             .await;
         let failure = apply::apply_flow(&store, "A", 10, ApplyOptions::default()).await.unwrap_err();
@@ -799,7 +804,11 @@ async fn a_group_of_flows_ends_like_one_step_per_transaction() {
                         "(SELECT event_id FROM inbox WHERE rowid = NEW.position) = 'B2'",
                         "effect B2 rejected",
                     ),
-                    &pg_reject("effect", "NEW.event_id = 'B2'", "effect B2 rejected"),
+                    &pg_reject(
+                        "effect_log",
+                        "(SELECT event_id FROM inbox WHERE position = NEW.position) = 'B2'",
+                        "effect B2 rejected",
+                    ),
                 )
                 .await;
             let opts = ApplyOptions { max_batch, ..ApplyOptions::default() };
@@ -1087,6 +1096,20 @@ async fn pg_a_version_2_schema_is_upgraded_and_keeps_its_counts() {
         )
         .await
         .unwrap();
+    // An applied step with its effect, as a version 2 build kept it.
+    let c1 = event("C1", "C", 1, "reserved", 1, r#"{"amount":4}"#);
+    client
+        .batch_execute(&format!(
+            "INSERT INTO inbox(event_id, flow_id, seq, kind, schema, body, state, reason, received_at_us,
+                               applied_at_us)
+             VALUES ('C1', 'C', 1, 'reserved', 1, '{}', 'applied', NULL, 1, 2);
+             INSERT INTO projection(flow_id, last_seq, state, held, amount) VALUES ('C', 1, 'reserved', 4, 4);
+             INSERT INTO effect(event_id, flow_id, seq, kind, held, applied_at_us)
+             VALUES ('C1', 'C', 1, 'reserved', 4, 2);",
+            c1.canonical_body()
+        ))
+        .await
+        .unwrap();
     let columns: i64 = client
         .query_one(
             "SELECT count(*) FROM information_schema.columns WHERE column_name = 'committed_at_us'",
@@ -1103,6 +1126,11 @@ async fn pg_a_version_2_schema_is_upgraded_and_keeps_its_counts() {
     let counts = store.backlog_counts().await.unwrap();
     assert_eq!(counts, BacklogCounts { unapplied: 2, blocked: [1, 0, 0], gap: 0, ready: 1 });
     assert_eq!(store.flow("A".into()).await.unwrap().inbox[0].committed_at_us, None);
+    // Version 7 keeps the effect by its inbox row's position; GetFlow shows it as before.
+    let c = store.flow("C".into()).await.unwrap();
+    let kept: Vec<_> =
+        c.effects.iter().map(|e| (e.event_id.as_str(), e.flow_id.as_str(), e.seq, e.held)).collect();
+    assert_eq!(kept, [("C1", "C", 1, 4)]);
     let now = runtime::now_us();
     assert_eq!(
         receive_at(&store, reference("A", 2), Some(now), Admission::Unlimited).await,
@@ -1112,6 +1140,18 @@ async fn pg_a_version_2_schema_is_upgraded_and_keeps_its_counts() {
     let v2_decoder = ApplyOptions { support_v2: true, ..ApplyOptions::default() };
     assert_eq!(apply(&store, "B", 10, v2_decoder).await.applied, ["B1"]);
     assert_eq!(store.backlog_counts().await.unwrap(), BacklogCounts::default());
+    // Apply order goes on after the copied effect's.
+    let check = proto::pg::open(url, &pg::KIND, proto::db::OpenMode::Existing, 1).await.unwrap();
+    let order: String = check
+        .pool
+        .get()
+        .await
+        .unwrap()
+        .query_one("SELECT string_agg(position || ':' || event_id, ' ' ORDER BY position) FROM effect", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(order, "1:C1 2:A1 3:A2 4:B1");
     // A new schema is the upgraded one: the same columns and functions.
     let fresh = TestDb::create("c_pg_v3_fresh").expect("the server answered a moment ago");
     let fresh_store = ConsumerStore::open(&fresh.url().parse().unwrap()).await.unwrap();

@@ -164,9 +164,12 @@ const REJECT_EFFECT_OF_A: db::Trigger = db::Trigger {
     table: "effect",
     when: Some("NEW.flow_id = 'A'"),
     message: "effect insert rejected by the test trigger",
-    sqlite: Some(db::SqliteRows {
+    stored: Some(db::StoredRows {
         table: "effect_log",
-        when: Some("(SELECT flow_id FROM inbox WHERE rowid = NEW.position) = 'A'"),
+        sqlite_when: Some("(SELECT flow_id FROM inbox WHERE rowid = NEW.position) = 'A'"),
+        pg_when: Some(
+            "(SELECT flow_id FROM ordered_events_consumer.inbox WHERE position = NEW.position) = 'A'",
+        ),
     }),
 };
 
