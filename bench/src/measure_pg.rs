@@ -20,17 +20,27 @@ fn one(client: &mut Client, sql: &str) -> anyhow::Result<i64> {
     Ok(client.query_one(sql, &[])?.get::<_, Option<i64>>(0).unwrap_or(0))
 }
 
+/// Where the consumer schema numbers its effects in apply order: `(table, column)`. Since
+/// consumer schema 7 `effect` is a view joining `effect_log` to the inbox, whose maximum or
+/// count would join every row at every poll; the table itself has the numbers, indexed.
+pub fn apply_order(client: &mut Client) -> anyhow::Result<(&'static str, &'static str)> {
+    let keyed: bool =
+        client.query_one("SELECT to_regclass($1) IS NOT NULL", &[&format!("{CONSUMER}.effect_log")])?.get(0);
+    Ok(if keyed { ("effect_log", "applied") } else { ("effect", "position") })
+}
+
 /// Waits until `events` effects exist and no outbox row is unaccepted. Polls with a deadline.
 pub fn wait_until_applied(url: &str, events: u64, deadline: Duration) -> anyhow::Result<()> {
     let mut client = connect(url)?;
     let until = Instant::now() + deadline;
     let mut pause = Duration::from_millis(1);
+    let (effects, order) = apply_order(&mut client)?;
     loop {
-        // Effect positions come from an identity column: their maximum is at least the count,
-        // so the count is taken only once the maximum says it can be complete.
-        let top = one(&mut client, &format!("SELECT max(position) FROM {CONSUMER}.effect"))? as u64;
+        // Apply-order numbers come from an identity column: their maximum is at least the
+        // count, so the count is taken only once the maximum says it can be complete.
+        let top = one(&mut client, &format!("SELECT max({order}) FROM {CONSUMER}.{effects}"))? as u64;
         let applied = if top >= events {
-            one(&mut client, &format!("SELECT count(*) FROM {CONSUMER}.effect"))? as u64
+            one(&mut client, &format!("SELECT count(*) FROM {CONSUMER}.{effects}"))? as u64
         } else {
             0
         };

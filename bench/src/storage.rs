@@ -74,8 +74,12 @@ pub fn read(databases: &Databases, at: &str) -> anyhow::Result<Sizes> {
                 )?;
                 Ok(row.get::<_, i64>(0) as u64)
             };
+            let (effects, order) = crate::measure_pg::apply_order(&mut client)?;
             let applied: i64 = client
-                .query_one(&format!("SELECT coalesce(max(position), 0)::bigint FROM {CONSUMER}.effect"), &[])?
+                .query_one(
+                    &format!("SELECT coalesce(max({order}), 0)::bigint FROM {CONSUMER}.{effects}"),
+                    &[],
+                )?
                 .get(0);
             Ok(Sizes {
                 at: at.to_owned(),
