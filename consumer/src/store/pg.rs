@@ -471,9 +471,9 @@ const UPGRADE_TO_6: &str = upgrade_to_6!();
 /// in two unique text indexes. The inbox's own keys make it unique per event id and per
 /// (flow_id, seq): an effect names exactly one inbox row and there is one per position.
 /// `applied` numbers effects in apply order, uniquely (the old `effect.position`, and its
-/// index: the highest is one index read); `effect` is a view
-/// with the old columns, so readers (GetFlow, operators' queries) see the same rows. The
-/// upgrade copies every effect once, keyed by its inbox row's position.
+/// index: the highest is one index read); `effect` is a view with the old columns, so readers
+/// (GetFlow, operators' queries) see the same rows. The upgrade copies every effect once,
+/// keyed by its inbox row's position.
 macro_rules! upgrade_to_7 {
     () => {
         r#"
