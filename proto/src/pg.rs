@@ -519,6 +519,50 @@ pub mod testing {
         }
     }
 
+    /// The most rows one table or index scan in `sql`'s plan read, from one run under
+    /// `EXPLAIN (ANALYZE, FORMAT JSON)` in a transaction that is rolled back: the statement
+    /// is prepared (its parameters' types inferred) and executed with `arguments` (SQL
+    /// literals, e.g. `(100, 5)`) under `plan_cache_mode` (`force_custom_plan` or
+    /// `force_generic_plan`: a prepared statement runs with either, the server picks) and the
+    /// planner settings every store session has (see `pool`). A
+    /// scan's rows are those it returned over all its loops and those its filter or recheck
+    /// removed. Panics with the server's message when a statement fails.
+    pub async fn most_rows_a_scan_read(
+        client: &tokio_postgres::Client,
+        sql: &str,
+        arguments: &str,
+        plan_cache_mode: &str,
+    ) -> u64 {
+        let script = format!(
+            "BEGIN; SET LOCAL plan_cache_mode = {plan_cache_mode}; SET LOCAL enable_seqscan = off;
+             SET LOCAL jit = off; PREPARE scanned AS {sql};
+             EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE scanned{arguments}; ROLLBACK; DEALLOCATE scanned;"
+        );
+        let messages =
+            client.simple_query(&script).await.unwrap_or_else(|e| panic!("{}", super::describe(&e)));
+        let plan = messages
+            .iter()
+            .find_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0).map(str::to_owned),
+                _ => None,
+            })
+            .expect("EXPLAIN answers one row");
+        let plan: serde_json::Value = serde_json::from_str(&plan).expect("EXPLAIN's JSON");
+        fn most(node: &serde_json::Value) -> u64 {
+            let number = |key: &str| node.get(key).and_then(serde_json::Value::as_f64).unwrap_or(0.0);
+            let own = if node.get("Relation Name").is_some() || node.get("Index Name").is_some() {
+                (number("Actual Rows") * number("Actual Loops")
+                    + number("Rows Removed by Filter")
+                    + number("Rows Removed by Index Recheck")) as u64
+            } else {
+                0
+            };
+            let children = node.get("Plans").and_then(serde_json::Value::as_array);
+            children.into_iter().flatten().map(most).fold(own, u64::max)
+        }
+        most(&plan[0]["Plan"])
+    }
+
     /// `admin` with its database replaced by `name`.
     pub fn with_database(admin: &str, name: &str) -> String {
         let (base, query) = match admin.split_once('?') {

@@ -1184,11 +1184,14 @@ const READ_GROUP_SQL: &str = concat!(
 );
 
 /// One compaction batch: up to `$2` applied rows applied before `$1` that still have a body
-/// lose it for its digest; returns the dropped body's size per row.
-const COMPACT_SQL: &str = "WITH c AS (
+/// lose it for its digest; returns the dropped body's size per row. The rows are taken in
+/// apply order, the order of `inbox_uncompacted`, so the plan is a walk of that index that
+/// stops after `$2` rows whatever the statistics; without the order a generic plan built a
+/// bitmap of every row still to compact for each batch.
+pub(crate) const COMPACT_SQL: &str = "WITH c AS (
          SELECT event_id, octet_length(body) AS bytes FROM inbox
          WHERE state = 'applied' AND body IS NOT NULL AND applied_at_us < $1
-         LIMIT $2 FOR UPDATE SKIP LOCKED)
+         ORDER BY applied_at_us LIMIT $2 FOR UPDATE SKIP LOCKED)
      UPDATE inbox i SET body_sha256 = sha256(convert_to(i.body, 'UTF8')), body = NULL
      FROM c WHERE i.event_id = c.event_id
      RETURNING c.bytes";

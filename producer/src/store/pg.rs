@@ -765,8 +765,8 @@ impl PgStore {
     }
 
     /// Compaction on PostgreSQL: each batch is ONE transaction whose one statement locks up
-    /// to `batch` compactable rows (`SKIP LOCKED`: rows a relay is marking are taken by a
-    /// later pass; the order does not matter) and drops their bodies in place, keeping the
+    /// to `batch` compactable rows, oldest accepted first (`SKIP LOCKED`: rows a relay is
+    /// marking are taken by a later pass) and drops their bodies in place, keeping the
     /// digest the database computes from the same bytes. Autovacuum reclaims the old
     /// versions (see [`UPGRADE_TO_3`]).
     pub(super) async fn compact(&self, cutoff_us: i64, batch: usize) -> Result<CompactReport, StoreError> {
@@ -1014,9 +1014,29 @@ impl PgStore {
     }
 }
 
+/// The statement of one compaction batch (see [`compact_batch`]): `$1` the cutoff, `$2` the
+/// most rows. The rows are taken in acceptance order, the order of `outbox_compactable`, so
+/// the plan is a walk of that index that stops after `$2` rows, whatever the statistics and
+/// whether the server runs a custom or a generic plan. Without the order the planner could
+/// walk `outbox_accepted_by` past every compacted row for each batch (a pass over 300 000 rows
+/// with 600 000 compacted before them: 95 s and 469 million index entries read, against 5.6 s
+/// with the order, on two copies of one database), or build a bitmap of every row still to
+/// compact for each batch.
+pub(super) const COMPACT_SQL: &str = "WITH c AS (
+         SELECT event_id, octet_length(convert_to(body, 'UTF8')) AS n FROM outbox
+         WHERE accepted = 1 AND body IS NOT NULL AND accepted_at_us <= $1
+         ORDER BY accepted_at_us LIMIT $2 FOR UPDATE SKIP LOCKED
+     ),
+     u AS (
+         UPDATE outbox o SET body_sha256 = sha256(convert_to(o.body, 'UTF8')), body = NULL
+         FROM c WHERE o.event_id = c.event_id
+         RETURNING c.n
+     )
+     SELECT count(*), coalesce(sum(n), 0)::bigint FROM u";
+
 /// One compaction batch, ONE transaction: its one statement locks up to `limit` accepted
-/// rows with a body accepted at or before `cutoff_us` (`SKIP LOCKED`: rows a relay is marking
-/// are left to a later pass; the order does not matter) and drops their bodies in place,
+/// rows with a body accepted at or before `cutoff_us`, oldest first (see [`COMPACT_SQL`];
+/// `SKIP LOCKED`: rows a relay is marking are left to a later pass) and drops their bodies in place,
 /// keeping the digest the database computes from the same UTF-8 bytes. Reaches
 /// `producer.compact.after_batch` before the commit. Returns the rows and body bytes.
 async fn compact_batch(
@@ -1025,21 +1045,7 @@ async fn compact_batch(
     limit: i64,
     crash: CrashSwitch,
 ) -> Result<(u64, u64), StoreError> {
-    let stmt = client
-        .prepare_cached(
-            "WITH c AS (
-                 SELECT event_id, octet_length(convert_to(body, 'UTF8')) AS n FROM outbox
-                 WHERE accepted = 1 AND body IS NOT NULL AND accepted_at_us <= $1
-                 LIMIT $2 FOR UPDATE SKIP LOCKED
-             ),
-             u AS (
-                 UPDATE outbox o SET body_sha256 = sha256(convert_to(o.body, 'UTF8')), body = NULL
-                 FROM c WHERE o.event_id = c.event_id
-                 RETURNING c.n
-             )
-             SELECT count(*), coalesce(sum(n), 0)::bigint FROM u",
-        )
-        .await?;
+    let stmt = client.prepare_cached(COMPACT_SQL).await?;
     let params: Params<'_, 2> = [&cutoff_us, &limit];
     let (begun, row) = futures::join!(client.batch_execute("BEGIN"), client.query_one(&stmt, &params));
     begun?;
