@@ -294,8 +294,8 @@ pub async fn open(url: &PgUrl, kind: &PgKind, mode: OpenMode, pool_size: usize) 
 }
 
 /// The pool for `url`: every session gets `synchronous_commit=on`, `enable_seqscan=off`,
-/// `jit=off`, the kind's `search_path` and an `application_name`, as start-up options (so no
-/// statement can forget them).
+/// `jit=off`, `max_parallel_workers_per_gather=0`, the kind's `search_path` and an
+/// `application_name`, as start-up options (so no statement can forget them).
 fn pool(url: &PgUrl, kind: &PgKind, size: usize) -> Result<Pool, PgError> {
     let mut config = url.config();
     let mut options = config.get_options().map(str::to_owned).unwrap_or_default();
@@ -316,8 +316,14 @@ fn pool(url: &PgUrl, kind: &PgKind, size: usize) -> Result<Pool, PgError> {
     // server's CPU per lease renewal, for statements that run in microseconds (measured with
     // `pg_stat_statements` during `bench --backend postgres`). No statement of the stores
     // is large enough for JIT to pay.
+    // No parallel query, for the same reason: a generic plan estimates a range with a
+    // parameter at a third of the table, and on a large table that prices a parallel plan,
+    // whose workers take ~10 ms to start for a range that holds no row. A relay judging its
+    // consumer every second while idle, against 900 000 accepted rows, kept the 2-core
+    // machine 25 % busy with them, and 1 % without (2026-12-07).
     options.push_str(&format!(
-        "-c synchronous_commit=on -c enable_seqscan=off -c jit=off -c search_path={}",
+        "-c synchronous_commit=on -c enable_seqscan=off -c jit=off -c max_parallel_workers_per_gather=0 \
+         -c search_path={}",
         kind.schema
     ));
     config.options(&options);
@@ -535,7 +541,7 @@ pub mod testing {
     ) -> u64 {
         let script = format!(
             "BEGIN; SET LOCAL plan_cache_mode = {plan_cache_mode}; SET LOCAL enable_seqscan = off;
-             SET LOCAL jit = off; PREPARE scanned AS {sql};
+             SET LOCAL jit = off; SET LOCAL max_parallel_workers_per_gather = 0; PREPARE scanned AS {sql};
              EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE scanned{arguments}; ROLLBACK; DEALLOCATE scanned;"
         );
         let messages =
@@ -649,13 +655,14 @@ mod tests {
         // Every pooled session carries the planner settings the stores rely on.
         let row = client
             .query_one(
-                "SELECT current_setting('enable_seqscan'), current_setting('jit'), current_setting('search_path')",
+                "SELECT current_setting('enable_seqscan'), current_setting('jit'), current_setting('search_path'),
+                        current_setting('max_parallel_workers_per_gather')",
                 &[],
             )
             .await
             .unwrap();
-        let settings: (String, String, String) = (row.get(0), row.get(1), row.get(2));
-        assert_eq!(settings, ("off".into(), "off".into(), KIND.schema.into()));
+        let settings: (String, String, String, String) = (row.get(0), row.get(1), row.get(2), row.get(3));
+        assert_eq!(settings, ("off".into(), "off".into(), KIND.schema.into(), "0".into()));
         let older = PgKind { version: 1, ..KIND };
         let err = open(&url, &older, OpenMode::Create, 2).await.err().expect("newer");
         assert!(err.to_string().contains("newer than this build supports (1)"), "{err}");

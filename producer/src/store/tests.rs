@@ -982,14 +982,16 @@ async fn relays_marking_for_a_new_consumer_database_at_once_record_one_key() {
     assert_eq!(place.text(named).await.as_deref(), Some("40"));
 }
 
-/// PostgreSQL: a compaction batch reads the rows it compacts and no others, with most of the
-/// history compacted already and the statistics saying so, under either plan the server may
-/// cache for the prepared statement. Left to choose, the planner once walked
+/// PostgreSQL, on a history of one consumer database, most of it compacted and analyzed, under
+/// either plan the server may cache for a prepared statement: a compaction batch reads the
+/// rows it compacts and no others, and the count of rows other databases accepted (which a
+/// relay reads at each judgement of its consumer, every second while idle) reads no row.
+/// Left to choose, the planner once walked
 /// `outbox_accepted_by` past every compacted row for each batch (a pass over 300 000 rows
 /// after 600 000 compacted ones took 95 s instead of 5.6), or built a bitmap of every row
 /// still to compact (this test's generic plan, before the order).
 #[tokio::test]
-async fn a_postgres_compaction_batch_reads_only_the_rows_it_compacts() {
+async fn postgres_compaction_and_the_lost_rows_count_read_only_their_own_rows() {
     let Some(db) = TestDb::create("producer_compact_reads") else { return };
     let client = pg_client(&db).await;
     let place = Place::Postgres(db);
@@ -1016,6 +1018,14 @@ async fn a_postgres_compaction_batch_reads_only_the_rows_it_compacts() {
     for plan in ["force_custom_plan", "force_generic_plan"] {
         let read = most_rows_a_scan_read(&client, pg::COMPACT_SQL, "(9000000000, 100)", plan).await;
         assert!(read <= 100, "{plan}: one scan read {read} rows for a batch of 100");
+        for partitions in ["NULL", "'{1,2}'"] {
+            let arguments = format!("(1, {partitions})");
+            let read = most_rows_a_scan_read(&client, pg::OTHER_DATABASES_SQL, &arguments, plan).await;
+            assert_eq!(
+                read, 0,
+                "{plan}, partitions {partitions}: the other databases' count read {read} rows"
+            );
+        }
     }
 }
 
