@@ -320,7 +320,7 @@ fn pool(url: &PgUrl, kind: &PgKind, size: usize) -> Result<Pool, PgError> {
     // parameter at a third of the table, and on a large table that prices a parallel plan,
     // whose workers take ~10 ms to start for a range that holds no row. A relay judging its
     // consumer every second while idle, against 900 000 accepted rows, kept the 2-core
-    // machine 25 % busy with them, and 1 % without (2026-12-07).
+    // machine 25 % busy with them, and 1 to 2 % without (2026-12-07).
     options.push_str(&format!(
         "-c synchronous_commit=on -c enable_seqscan=off -c jit=off -c max_parallel_workers_per_gather=0 \
          -c search_path={}",
@@ -530,9 +530,9 @@ pub mod testing {
     /// is prepared (its parameters' types inferred) and executed with `arguments` (SQL
     /// literals, e.g. `(100, 5)`) under `plan_cache_mode` (`force_custom_plan` or
     /// `force_generic_plan`: a prepared statement runs with either, the server picks) and the
-    /// planner settings every store session has (see `pool`). A
-    /// scan's rows are those it returned over all its loops and those its filter or recheck
-    /// removed. Panics with the server's message when a statement fails.
+    /// planner settings every store session has (see `pool`). A scan's rows are those it
+    /// returned over all its loops and those its filter or recheck removed. Panics with the
+    /// server's message when a statement fails.
     pub async fn most_rows_a_scan_read(
         client: &tokio_postgres::Client,
         sql: &str,

@@ -1046,8 +1046,8 @@ pub(super) const COMPACT_SQL: &str = "WITH c AS (
 
 /// One compaction batch, ONE transaction: its one statement locks up to `limit` accepted
 /// rows with a body accepted at or before `cutoff_us`, oldest first (see [`COMPACT_SQL`];
-/// `SKIP LOCKED`: rows a relay is marking are left to a later pass) and drops their bodies in place,
-/// keeping the digest the database computes from the same UTF-8 bytes. Reaches
+/// `SKIP LOCKED`: rows a relay is marking are left to a later pass) and drops their bodies
+/// in place, keeping the digest the database computes from the same UTF-8 bytes. Reaches
 /// `producer.compact.after_batch` before the commit. Returns the rows and body bytes.
 async fn compact_batch(
     client: &Conn,

@@ -986,10 +986,10 @@ async fn relays_marking_for_a_new_consumer_database_at_once_record_one_key() {
 /// either plan the server may cache for a prepared statement: a compaction batch reads the
 /// rows it compacts and no others, and the count of rows other databases accepted (which a
 /// relay reads at each judgement of its consumer, every second while idle) reads no row.
-/// Left to choose, the planner once walked
-/// `outbox_accepted_by` past every compacted row for each batch (a pass over 300 000 rows
-/// after 600 000 compacted ones took 95 s instead of 5.6), or built a bitmap of every row
-/// still to compact (this test's generic plan, before the order).
+/// Left to choose, the planner once walked `outbox_accepted_by` past every compacted row for
+/// each batch (a pass over 300 000 rows after 600 000 compacted ones took 95 s instead of
+/// 5.6), or built a bitmap of every row still to compact (this test's generic plan, before
+/// the order); the count read every accepted row (`accepted_by <> $1`: 6 000 here).
 #[tokio::test]
 async fn postgres_compaction_and_the_lost_rows_count_read_only_their_own_rows() {
     let Some(db) = TestDb::create("producer_compact_reads") else { return };
