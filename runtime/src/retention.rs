@@ -58,6 +58,22 @@ pub fn vacuum_step(free_pages: u64, keep: u64) -> u64 {
 /// for long: the pipeline's writers wait at most one batch (see [`COMPACT_PAUSE`]).
 pub const COMPACT_BATCH: usize = 500;
 
+/// Rows one SQLite compaction transaction looks at, at most: rows not finished yet (not
+/// accepted, not applied, or finished after the cutoff) are passed over, so however many of
+/// them wait, a transaction that holds the write lock stays short.
+pub const COMPACT_EXAMINE: usize = 4 * COMPACT_BATCH;
+
+/// A row one SQLite compaction transaction examined, in the order of the table that holds
+/// the bodies.
+pub enum Examined {
+    /// Not finished at the cutoff: passed over.
+    Unfinished,
+    /// Finished, with its body's digest and length: compacted by this transaction.
+    Compact([u8; 32], u64),
+    /// Finished, beyond what one transaction compacts: left to the next one.
+    NextBatch,
+}
+
 /// How long a SQLite compaction pass rests after each transaction (and each give-back step)
 /// before it takes the write lock again. Without it the next batch could take the lock back
 /// at once (the consumer's writer waits for the same connection's mutex, which a thread that

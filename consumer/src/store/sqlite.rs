@@ -13,6 +13,7 @@ use proto::crash::{CrashPoint, CrashSwitch};
 use proto::db::{self, DbError, DbKind, Held, StepFailure, Steps};
 use proto::flow::Kind;
 use runtime::blocking::{lock, with_locked};
+use runtime::retention::Examined;
 use rusqlite::{Connection, OptionalExtension, Transaction, params};
 
 use super::{
@@ -748,23 +749,9 @@ impl ReceivedFlows {
     }
 }
 
-/// Rows one compaction transaction looks at, at most: pending, blocked and recently applied
-/// rows are passed over, so however many of them wait, a transaction stays short.
-const COMPACT_EXAMINE: usize = 4 * runtime::retention::COMPACT_BATCH;
-
-/// A row one compaction transaction examined (see [`compact_pass`]).
-enum Examined {
-    /// Pending, blocked, or applied at or after the cutoff: passed over.
-    Unfinished,
-    /// Finished, with its body's digest and length: compacted by this transaction.
-    Compact([u8; 32], u64),
-    /// Finished, beyond what one transaction compacts: left to the next one.
-    NextBatch,
-}
-
 /// One compaction pass on consumer.db (see [`ConsumerStore::compact`](super::ConsumerStore::compact)):
 /// walks `inbox_body` (the rows that still have a body) in position order, each transaction
-/// under the connection's lock like every other writer, looking at up to [`COMPACT_EXAMINE`]
+/// under the connection's lock like every other writer, looking at up to [`COMPACT_EXAMINE`](runtime::retention::COMPACT_EXAMINE)
 /// rows and compacting up to `COMPACT_BATCH` of them: the digest is appended to
 /// `inbox_digest` and the body deleted (a row is finished when its effect, which holds its
 /// applied time, is older than the cutoff). The walk ends at the first row received at or
@@ -801,7 +788,7 @@ fn compact_pass(
                                    LEFT JOIN effect_log e ON e.position = b.position
                  WHERE b.position > ?1 ORDER BY b.position LIMIT ?2",
             )?
-            .query_map(params![after, COMPACT_EXAMINE as i64, cutoff_us], |r| {
+            .query_map(params![after, runtime::retention::COMPACT_EXAMINE as i64, cutoff_us], |r| {
                 let examined = if !r.get::<_, bool>(2)? {
                     Examined::Unfinished
                 } else if to_compact == runtime::retention::COMPACT_BATCH {
@@ -814,7 +801,7 @@ fn compact_pass(
                 Ok((r.get(0)?, r.get(1)?, examined))
             })?
             .collect::<rusqlite::Result<_>>()?;
-        let mut done = examined.len() < COMPACT_EXAMINE;
+        let mut done = examined.len() < runtime::retention::COMPACT_EXAMINE;
         let (mut rows, mut bytes) = (0u64, 0u64);
         // The rows were read in this transaction as applied with a body, so none has a
         // digest yet: a taken position is the inconsistency of a row compacted twice.

@@ -527,12 +527,13 @@ impl SqliteStore {
                     compact_batch(conn, after_id, cutoff_us, batch, &crash)
                 })
                 .await?;
-            let Some(done) = done else { break };
-            report.compacted += done.rows;
-            report.body_bytes += done.body_bytes;
-            report.batches += 1;
-            after_id = done.last_id;
-            if done.rows < batch as u64 {
+            if done.rows > 0 {
+                report.compacted += done.rows;
+                report.body_bytes += done.body_bytes;
+                report.batches += 1;
+            }
+            after_id = done.after_id;
+            if done.pass_over {
                 break;
             }
             tokio::time::sleep(runtime::retention::COMPACT_PAUSE).await;
@@ -572,60 +573,101 @@ impl SqliteStore {
     }
 }
 
-/// One committed compaction batch.
+/// What one compaction transaction did, and where the pass goes on.
 struct CompactedBatch {
     rows: u64,
     body_bytes: u64,
-    last_id: i64,
+    /// The last id it looked at and is done with: the next transaction starts after it.
+    after_id: i64,
+    /// Nothing after `after_id` can be compacted at this cutoff.
+    pass_over: bool,
 }
 
-/// ONE `BEGIN IMMEDIATE` transaction: up to `batch` outbox rows with a body, after id
-/// `after_id`, accepted at or before `cutoff_us`, get their body's digest (a row of
-/// `outbox_digest`) and lose their `outbox_body` row (deleted in id order, so whole pages are
-/// freed). Reaches `producer.compact.after_batch` before the commit and
+/// ONE `BEGIN IMMEDIATE` transaction: walks the outbox rows that still have a body, after id
+/// `after_id`, in id order, looking at [`COMPACT_EXAMINE`](runtime::retention::COMPACT_EXAMINE)
+/// rows at most; up to `batch` of them accepted at or before `cutoff_us` get their body's
+/// digest (a row of `outbox_digest`) and lose their `outbox_body` row (deleted in id order, so
+/// whole pages are freed); rows not accepted by then are passed over. The walk ends the pass
+/// at the first row committed after the cutoff: ids follow commits, and a row is accepted
+/// after its commit, so no later row is finished. Before, a pass read every body younger than
+/// the retention in its last transaction, under the write lock (a week's rows at the default
+/// retention). Reaches `producer.compact.after_batch` before a commit and
 /// `producer.compact.after_commit` after; a crash anywhere leaves each row whole or a
-/// tombstone. `None`: nothing to compact.
+/// tombstone.
 fn compact_batch(
     conn: &mut Connection,
     after_id: i64,
     cutoff_us: i64,
     batch: usize,
     crash: &CrashSwitch,
-) -> Result<Option<CompactedBatch>, StoreError> {
+) -> Result<CompactedBatch, StoreError> {
+    use runtime::retention::{COMPACT_EXAMINE, Examined};
     let tx = db::begin_immediate(conn)?;
-    // (id, the body's digest and length): digested where SQLite holds the body, never copied.
-    let rows: Vec<(i64, [u8; 32], u64)> = tx
+    // Each examined row as (id, committed, what to do with it). A body is digested where
+    // SQLite holds it, never copied, and only for the rows this transaction compacts.
+    let mut to_compact = 0;
+    let examined: Vec<(i64, i64, Examined)> = tx
         .prepare_cached(
-            "SELECT outbox_body.id, outbox_body.body FROM outbox_body
-             JOIN outbox ON outbox.id = outbox_body.id
-             WHERE outbox_body.id > ?1 AND outbox.accepted = 1 AND outbox.accepted_at_us <= ?2
-             ORDER BY outbox_body.id LIMIT ?3",
+            "SELECT outbox_body.id, outbox.committed_at_us,
+                    coalesce(outbox.accepted = 1 AND outbox.accepted_at_us <= ?3, 0), outbox_body.body
+             FROM outbox_body JOIN outbox ON outbox.id = outbox_body.id
+             WHERE outbox_body.id > ?1 ORDER BY outbox_body.id LIMIT ?2",
         )?
-        .query_map(params![after_id, cutoff_us, batch as i64], |r| {
-            let body = r.get_ref(1)?.as_bytes()?;
-            Ok((r.get(0)?, runtime::retention::body_digest(body), body.len() as u64))
+        .query_map(params![after_id, COMPACT_EXAMINE as i64, cutoff_us], |r| {
+            let examined = if !r.get::<_, bool>(2)? {
+                Examined::Unfinished
+            } else if to_compact == batch {
+                Examined::NextBatch
+            } else {
+                to_compact += 1;
+                let body = r.get_ref(3)?.as_bytes()?;
+                Examined::Compact(runtime::retention::body_digest(body), body.len() as u64)
+            };
+            Ok((r.get(0)?, r.get(1)?, examined))
         })?
         .collect::<rusqlite::Result<_>>()?;
-    let Some(&(last_id, _, _)) = rows.last() else { return Ok(None) };
-    let mut body_bytes = 0;
+    let mut done =
+        CompactedBatch { rows: 0, body_bytes: 0, after_id, pass_over: examined.len() < COMPACT_EXAMINE };
     {
         // The rows were read in this transaction as accepted with a body, so none has a
         // digest yet: a taken id is the corruption of a row compacted twice.
         let mut digest = tx
             .prepare_cached("INSERT INTO outbox_digest(id, sha256) VALUES (?1, ?2) ON CONFLICT DO NOTHING")?;
         let mut drop_body = tx.prepare_cached("DELETE FROM outbox_body WHERE id = ?1")?;
-        for (id, sha, len) in &rows {
+        for (id, committed_at_us, examined) in examined {
+            if committed_at_us > cutoff_us {
+                done.pass_over = true;
+                break;
+            }
+            let (sha, len) = match examined {
+                Examined::Unfinished => {
+                    done.after_id = id;
+                    continue;
+                }
+                Examined::NextBatch => {
+                    done.pass_over = false;
+                    break;
+                }
+                Examined::Compact(sha, len) => (sha, len),
+            };
+            done.after_id = id;
             if digest.execute(params![id, &sha[..]])? != 1 {
                 return Err(StoreError::Corrupt(format!("outbox row {id} has a body and a digest")));
             }
             drop_body.execute([id])?;
-            body_bytes += len;
+            done.rows += 1;
+            done.body_bytes += len;
         }
     }
-    crash.reach(CrashPoint::ProducerCompactAfterBatch);
-    tx.commit()?;
-    crash.reach(CrashPoint::ProducerCompactAfterCommit);
-    Ok(Some(CompactedBatch { rows: rows.len() as u64, body_bytes, last_id }))
+    if done.rows > 0 {
+        crash.reach(CrashPoint::ProducerCompactAfterBatch);
+        tx.commit()?;
+        crash.reach(CrashPoint::ProducerCompactAfterCommit);
+    } else {
+        // Nothing written: dropping the transaction releases the lock.
+        drop(tx);
+    }
+    Ok(done)
 }
 
 /// The `backlog.unaccepted` counter inside one write transaction: read at most once (when the
@@ -1515,7 +1557,7 @@ mod tests {
         assert_eq!(run(&mut conn, &changed).outcome, super::super::AdvanceOutcome::Conflict);
         // A2 is compacted into the new table once accepted.
         conn.execute("UPDATE outbox SET accepted = 1, accepted_at_us = 2 WHERE id = 2", []).unwrap();
-        let done = compact_batch(&mut conn, 0, 10, 500, &CrashSwitch::default()).unwrap().unwrap();
+        let done = compact_batch(&mut conn, 0, runtime::now_us(), 500, &CrashSwitch::default()).unwrap();
         assert_eq!(done.rows, 1);
         let digests: i64 = conn.query_row("SELECT count(*) FROM outbox_digest", [], |r| r.get(0)).unwrap();
         assert_eq!(digests, 2);
@@ -1572,7 +1614,7 @@ mod tests {
         assert!(rows[0].accepted && !rows[1].accepted);
         assert_eq!(unaccepted_count(&conn).unwrap(), 1);
         // The upgraded rows compact (their digest computed then); the unaccepted one does not.
-        let done = compact_batch(&mut conn, 0, 10, 500, &CrashSwitch::default()).unwrap().unwrap();
+        let done = compact_batch(&mut conn, 0, runtime::now_us(), 500, &CrashSwitch::default()).unwrap();
         assert_eq!((done.rows, done.body_bytes), (1, 6));
         let rows = flow_outbox(&conn, "A").unwrap();
         assert!(rows[0].compacted && rows[0].body.is_empty());

@@ -1029,6 +1029,45 @@ async fn postgres_compaction_and_the_lost_rows_count_read_only_their_own_rows() 
     }
 }
 
+/// SQLite: a pass walks past any number of rows not yet accepted (more than one transaction
+/// looks at) to the finished rows after them, and ends at the first row committed after the
+/// cutoff instead of reading every younger body: two rows committed after it are left whole
+/// even though their acceptance times say otherwise (a clock set back between commit and
+/// mark; before, the pass read on to the end and compacted them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sqlite_pass_walks_past_unaccepted_rows_and_ends_at_the_cutoff() {
+    let place = Place::Sqlite(tempfile::tempdir().unwrap());
+    let store = place.open(None).await;
+    let advance_all = |flows: Vec<String>| {
+        let store = &store;
+        async move {
+            let steps =
+                flows.iter().map(|f| store.advance(cmd_on(f, &format!("{f}-1"), 0, "reserved", 1, 3)));
+            for r in futures::future::join_all(steps).await {
+                assert_eq!(r.unwrap().outcome, AdvanceOutcome::Committed);
+            }
+            flows.iter().map(|f| accepted(&format!("{f}-1"), DeliveryAnswer::Accepted, 0)).collect::<Vec<_>>()
+        }
+    };
+    let waiting = runtime::retention::COMPACT_EXAMINE + 100;
+    advance_all((0..waiting).map(|i| format!("waiting-{i:05}")).collect()).await;
+    let finished = advance_all((0..10).map(|i| format!("finished-{i:02}")).collect()).await;
+    store.record_deliveries(finished, None).await.unwrap();
+    let cutoff = runtime::now_us();
+    let later = advance_all(vec!["later-1".into(), "later-2".into()]).await;
+    store.record_deliveries(later, None).await.unwrap();
+    place.sql("UPDATE outbox SET accepted_at_us = 1 WHERE flow_id LIKE 'later-%'", "").await;
+    let report = store.compact(cutoff, runtime::retention::COMPACT_BATCH, 0).await.unwrap();
+    assert_eq!((report.compacted, report.batches), (10, 1), "{report:?}");
+    let left =
+        "SELECT group_concat(flow_id, ' ') FROM (SELECT flow_id FROM outbox JOIN outbox_body USING (id)
+                WHERE flow_id NOT LIKE 'waiting-%' ORDER BY flow_id)";
+    assert_eq!(place.text(left).await.as_deref(), Some("later-1 later-2"));
+    let waiting_left = "SELECT CAST(count(*) AS TEXT) FROM outbox JOIN outbox_body USING (id)
+                        WHERE flow_id LIKE 'waiting-%'";
+    assert_eq!(place.text(waiting_left).await, Some(waiting.to_string()));
+}
+
 /// SQLite: a pass gives the pages the deleted bodies freed back to the file system (a new
 /// file has `auto_vacuum = INCREMENTAL`), and the file shrinks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
