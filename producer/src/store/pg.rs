@@ -962,57 +962,76 @@ impl PgStore {
                     }
                     lost.loss_accepted = accepted;
                 }
+                // Each unmark answers one row (see `unmarked_summary!`), however many rows it
+                // changed: a replaced consumer database can lack the whole history.
                 let unmark = client
-                    .prepare_cached(
+                    .prepare_cached(unmarked_summary!(
                         "UPDATE outbox SET accepted = 0, accepted_at_us = NULL, accepted_by = NULL,
                              accepted_position = NULL, last_outcome = $3
                          WHERE accepted = 1 AND accepted_by IS NOT NULL
                            AND (accepted_by <> $1 OR accepted_position > $2)
                            AND ($4::smallint[] IS NULL OR partition = ANY($4))
-                         RETURNING event_id, body IS NULL",
-                    )
+                         RETURNING event_id, body IS NULL AS gone"
+                    ))
                     .await?;
                 let unmark_probed = client
-                    .prepare_cached(
+                    .prepare_cached(unmarked_summary!(
                         "UPDATE outbox o SET accepted = 0, accepted_at_us = NULL, accepted_by = NULL,
                              accepted_position = NULL, last_outcome = $4
                          FROM unnest($2::text[], $3::bigint[]) AS p(event_id, position)
                          WHERE o.event_id = p.event_id AND o.accepted = 1 AND o.accepted_by = $1
                            AND o.accepted_position = p.position
                            AND ($5::smallint[] IS NULL OR o.partition = ANY($5))
-                         RETURNING o.event_id, o.body IS NULL",
-                    )
+                         RETURNING o.event_id, o.body IS NULL AS gone"
+                    ))
                     .await?;
-                let mut unmarked =
-                    client.query(&unmark, &[&key, &highest, &LOST_BY_CONSUMER, &partitions]).await?;
+                let summary = |row: Row| -> Result<(u64, u64, Vec<String>), StoreError> {
+                    Ok((unsigned(&row, 0, "unmarked rows")?, unsigned(&row, 1, "compacted rows")?, row.try_get(2)?))
+                };
+                let (mut unmarked, mut compacted, mut first) = summary(
+                    client.query_one(&unmark, &[&key, &highest, &LOST_BY_CONSUMER, &partitions]).await?,
+                )?;
                 if !probed_ids.is_empty() {
                     let probed_params: Params<'_, 5> =
                         [&key, &probed_ids, &probed_positions, &LOST_BY_CONSUMER, &partitions];
-                    unmarked.extend(client.query(&unmark_probed, &probed_params).await?);
+                    let (rows, gone, ids) = summary(client.query_one(&unmark_probed, &probed_params).await?)?;
+                    unmarked += rows;
+                    compacted += gone;
+                    first.extend(ids);
                 }
                 // The reads above ran before the rows were locked: a compaction that
                 // committed in between shows here, on each row's newest version. Then
                 // nothing is unmarked (nor any loss accepted), as when the reads saw it.
-                let mut compacted_now = Vec::new();
-                for row in &unmarked {
-                    if row.try_get::<_, bool>(1)? {
-                        compacted_now.push(row.try_get::<_, String>(0)?);
-                    }
-                }
-                if !compacted_now.is_empty() {
+                if compacted > 0 {
                     client.batch_execute("ROLLBACK").await?;
-                    let compacted = compacted_now.len() as u64;
-                    compacted_now.sort();
-                    compacted_now.truncate(5);
-                    return Ok(LostRows { compacted, compacted_sample: compacted_now, loss_accepted: 0, ..lost });
+                    first.sort();
+                    first.truncate(5);
+                    return Ok(LostRows { compacted, compacted_sample: first, loss_accepted: 0, ..lost });
                 }
-                commit_with_backlog(client, i64::try_from(unmarked.len()).unwrap_or(i64::MAX)).await?;
+                commit_with_backlog(client, i64::try_from(unmarked).unwrap_or(i64::MAX)).await?;
                 Ok(lost)
             }
         })
         .await
     }
 }
+
+/// An unmark statement (`$update`, returning each changed row's `event_id` and whether its
+/// body is `gone`) as one row: the rows changed, how many of them were compacted meanwhile,
+/// and the first five of those by id. The relay's process never holds the ids of a whole
+/// lost history (it held every one, ~40 bytes each and a row's overhead, to find those few).
+macro_rules! unmarked_summary {
+    ($update:literal) => {
+        concat!(
+            "WITH u AS (",
+            $update,
+            ") SELECT count(*), count(*) FILTER (WHERE gone),
+                      coalesce((array_agg(event_id ORDER BY event_id) FILTER (WHERE gone))[1:5], '{}')
+               FROM u"
+        )
+    };
+}
+use unmarked_summary;
 
 /// How many accepted rows name a consumer database other than `$1` (of the partitions `$2`,
 /// or all): two range reads of `outbox_accepted_by`, the keys below and above `$1`, so a relay

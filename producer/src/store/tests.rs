@@ -1029,6 +1029,45 @@ async fn postgres_compaction_and_the_lost_rows_count_read_only_their_own_rows() 
     }
 }
 
+/// PostgreSQL: lost rows that a compaction reduced to tombstones between the lost-rows reads
+/// and the unmark (here a trigger compacts each row as it is unmarked) make the whole unmark
+/// roll back, and the answer counts them with their first ids, from the one row the unmark
+/// statements answer (rows lost by position and by probe alike).
+#[tokio::test]
+async fn a_postgres_unmark_that_meets_rows_compacted_meanwhile_changes_nothing() {
+    let Some(db) = TestDb::create("producer_unmark_compacted") else { return };
+    let place = Place::Postgres(db);
+    let store = place.open(None).await;
+    for (i, (id, kind)) in
+        [("A1", "reserved"), ("A2", "confirmed"), ("A3", "released")].into_iter().enumerate()
+    {
+        outcome(&store, cmd(id, i as u64, kind, 1, 3)).await;
+    }
+    let answers = (1..=3).map(|i| accepted(&format!("A{i}"), DeliveryAnswer::Accepted, i)).collect();
+    store.record_deliveries(answers, Some("c1".into())).await.unwrap();
+    place
+        .sql(
+            "",
+            "CREATE FUNCTION compact_on_unmark() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 NEW.body_sha256 := sha256(convert_to(OLD.body, 'UTF8'));
+                 NEW.body := NULL;
+                 RETURN NEW;
+             END $$;
+             CREATE TRIGGER compact_on_unmark BEFORE UPDATE ON outbox FOR EACH ROW
+             WHEN (OLD.accepted = 1 AND NEW.accepted = 0) EXECUTE FUNCTION compact_on_unmark();",
+        )
+        .await;
+    // A3 lost by position (beyond 2), A1 by probe.
+    let lost = store.resend_lost("c1".into(), Lost::Probed(vec![(1, "A1".into())])).await.unwrap();
+    assert_eq!((lost.compacted, lost.compacted_sample.clone()), (1, vec!["A1".to_owned()]), "{lost:?}");
+    let lost = store.resend_lost("c1".into(), Lost::Beyond(2)).await.unwrap();
+    assert_eq!((lost.compacted, lost.compacted_sample.clone()), (1, vec!["A3".to_owned()]), "{lost:?}");
+    let state = "SELECT string_agg(event_id || ':' || accepted || ':' || (body IS NULL), ' ' ORDER BY event_id) FROM outbox";
+    assert_eq!(place.text(state).await.as_deref(), Some("A1:1:false A2:1:false A3:1:false"));
+    assert_eq!(backlog(&store).await.unaccepted, 0);
+}
+
 /// SQLite: a pass walks past any number of rows not yet accepted (more than one transaction
 /// looks at) to the finished rows after them, and ends at the first row committed after the
 /// cutoff instead of reading every younger body: two rows committed after it are left whole
