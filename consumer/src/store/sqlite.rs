@@ -751,10 +751,11 @@ impl ReceivedFlows {
 
 /// One compaction pass on consumer.db (see [`ConsumerStore::compact`](super::ConsumerStore::compact)):
 /// walks `inbox_body` (the rows that still have a body) in position order, each transaction
-/// under the connection's lock like every other writer, looking at up to [`COMPACT_EXAMINE`](runtime::retention::COMPACT_EXAMINE)
-/// rows and compacting up to `COMPACT_BATCH` of them: the digest is appended to
-/// `inbox_digest` and the body deleted (a row is finished when its effect, which holds its
-/// applied time, is older than the cutoff). The walk ends at the first row received at or
+/// under the connection's lock like every other writer, looking at up to
+/// [`COMPACT_EXAMINE`](runtime::retention::COMPACT_EXAMINE) rows and compacting up to
+/// `COMPACT_BATCH` of them: the digest is appended to `inbox_digest` and the body deleted (a
+/// row is finished when its effect, which holds its applied time, is older than the
+/// cutoff). The walk ends at the first row received at or
 /// after the cutoff (every later position was received later still, so none of them can have
 /// been applied before it). Then, when the file was created with `auto_vacuum=INCREMENTAL`,
 /// the free pages are given back in steps of [`VACUUM_STEP`]. Blocking.
