@@ -74,6 +74,30 @@ pub enum Examined {
     NextBatch,
 }
 
+impl Examined {
+    /// What a compaction transaction does with `row` of its walk: column `finished` says
+    /// whether the row is finished at the cutoff, column `body` holds its body (read, and
+    /// digested where SQLite holds it, only when the row is compacted); `to_compact` counts
+    /// the rows the transaction compacts, at most `batch`.
+    pub fn of(
+        row: &rusqlite::Row<'_>,
+        finished: usize,
+        body: usize,
+        to_compact: &mut usize,
+        batch: usize,
+    ) -> rusqlite::Result<Examined> {
+        Ok(if !row.get::<_, bool>(finished)? {
+            Examined::Unfinished
+        } else if *to_compact == batch {
+            Examined::NextBatch
+        } else {
+            *to_compact += 1;
+            let body = row.get_ref(body)?.as_bytes()?;
+            Examined::Compact(body_digest(body), body.len() as u64)
+        })
+    }
+}
+
 /// How long a SQLite compaction pass rests after each transaction (and each give-back step)
 /// before it takes the write lock again. Without it the next batch could take the lock back
 /// at once (the consumer's writer waits for the same connection's mutex, which a thread that

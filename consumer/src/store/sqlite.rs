@@ -775,10 +775,8 @@ fn compact_pass(
     loop {
         let mut guard = lock(shared);
         let tx = db::begin_immediate(&mut guard)?;
-        // Each examined row as (position, received, what to do with it). A body is digested
-        // where SQLite holds it, never copied, and only for the first `COMPACT_BATCH` rows
-        // this transaction will compact: the next finished row ends the transaction (the one
-        // place the batch is capped).
+        // Each examined row as (position, received, what to do with it: see `Examined::of`,
+        // which caps the batch at `COMPACT_BATCH`; the next finished row ends the transaction).
         let mut to_compact = 0;
         let examined: Vec<(i64, i64, Examined)> = tx
             .prepare_cached(
@@ -790,15 +788,7 @@ fn compact_pass(
                  WHERE b.position > ?1 ORDER BY b.position LIMIT ?2",
             )?
             .query_map(params![after, runtime::retention::COMPACT_EXAMINE as i64, cutoff_us], |r| {
-                let examined = if !r.get::<_, bool>(2)? {
-                    Examined::Unfinished
-                } else if to_compact == runtime::retention::COMPACT_BATCH {
-                    Examined::NextBatch
-                } else {
-                    to_compact += 1;
-                    let body = r.get_ref(3)?.as_bytes()?;
-                    Examined::Compact(runtime::retention::body_digest(body), body.len() as u64)
-                };
+                let examined = Examined::of(r, 2, 3, &mut to_compact, runtime::retention::COMPACT_BATCH)?;
                 Ok((r.get(0)?, r.get(1)?, examined))
             })?
             .collect::<rusqlite::Result<_>>()?;

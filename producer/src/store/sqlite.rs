@@ -603,8 +603,7 @@ fn compact_batch(
 ) -> Result<CompactedBatch, StoreError> {
     use runtime::retention::{COMPACT_EXAMINE, Examined};
     let tx = db::begin_immediate(conn)?;
-    // Each examined row as (id, committed, what to do with it). A body is digested where
-    // SQLite holds it, never copied, and only for the rows this transaction compacts.
+    // Each examined row as (id, committed, what to do with it: see `Examined::of`).
     let mut to_compact = 0;
     let examined: Vec<(i64, i64, Examined)> = tx
         .prepare_cached(
@@ -614,15 +613,7 @@ fn compact_batch(
              WHERE outbox_body.id > ?1 ORDER BY outbox_body.id LIMIT ?2",
         )?
         .query_map(params![after_id, COMPACT_EXAMINE as i64, cutoff_us], |r| {
-            let examined = if !r.get::<_, bool>(2)? {
-                Examined::Unfinished
-            } else if to_compact == batch {
-                Examined::NextBatch
-            } else {
-                to_compact += 1;
-                let body = r.get_ref(3)?.as_bytes()?;
-                Examined::Compact(runtime::retention::body_digest(body), body.len() as u64)
-            };
+            let examined = Examined::of(r, 2, 3, &mut to_compact, batch)?;
             Ok((r.get(0)?, r.get(1)?, examined))
         })?
         .collect::<rusqlite::Result<_>>()?;
