@@ -111,14 +111,13 @@ impl Outlet {
         };
         self.connecting = None;
         let opened = match connected {
-            Ok(channel) => tokio::select! {
-                opened = Session::start(channel, &self.link, window, ledger) => opened,
-                () = stop.asked() => return Ok(()),
-            },
+            Ok(channel) => Session::start(channel, &self.link, window, ledger, stop).await,
             Err(e) => Err(e),
         };
         match opened {
             Ok(session) => self.session = Some(session),
+            // A stop came while the consumer was asked: no session, and the run ends.
+            Err(RelayError::Interrupted(_)) => {}
             Err(e) if e.is_retried_by_run() => self.down(&e, max_backoff),
             Err(e) => return Err(e),
         }
@@ -187,7 +186,7 @@ pub async fn run(
     let mut idle_poll =
         Backoff::new((settings.poll_interval / 16).max(Duration::from_millis(1)), settings.poll_interval);
     let mut progress = Progress { at: Instant::now(), sent: 0 };
-    while !stop.requested() {
+    'passes: while !stop.requested() {
         if let Some(leases) = &leases {
             // Between passes nothing is in flight: extras over the fair share go back now.
             leases.release_marked(ledger).await;
@@ -202,13 +201,16 @@ pub async fn run(
         for i in 0..outlets.len() {
             let outlet = &mut outlets[i];
             let Some(session) = outlet.session.as_mut() else { continue };
-            if let Err(e) = session.judge_new(&outlet.link, ledger).await {
-                if !e.is_retried_by_run() {
-                    // Nothing to retry (the lost rows are gone from the outbox too, say).
-                    return Err(e);
+            match session.judge_new(&outlet.link, ledger, stop).await {
+                Ok(()) => {}
+                // A stop came while the consumer was asked: the run ends.
+                Err(RelayError::Interrupted(_)) => continue 'passes,
+                // Nothing to retry (the lost rows are gone from the outbox too, say).
+                Err(e) if !e.is_retried_by_run() => return Err(e),
+                Err(e) => {
+                    outlet.down(&e, settings.max_backoff);
+                    failed_over(&outlets);
                 }
-                outlet.down(&e, settings.max_backoff);
-                failed_over(&outlets);
             }
         }
         let live: Vec<usize> = (0..outlets.len()).filter(|i| outlets[*i].session.is_some()).collect();
@@ -267,7 +269,10 @@ pub async fn run(
             let Some(session) = outlet.session.as_mut() else { continue };
             // A consumer restarted on a restored database gives an idle relay no row to fail
             // on: ask it who it is now and then.
-            if let Err(e) = session.recheck_identity(&outlet.link, ledger).await {
+            if let Err(e) = session.recheck_identity(&outlet.link, ledger, stop).await {
+                if matches!(e, RelayError::Interrupted(_)) {
+                    continue 'passes;
+                }
                 if matches!(e, RelayError::HistoryCompacted { .. }) {
                     // Nothing to retry: the lost rows are gone from the outbox too.
                     return Err(e);

@@ -24,6 +24,7 @@ use tonic::transport::Channel;
 use crate::Link;
 use crate::error::RelayError;
 use crate::ledger::{Ledger, Lost};
+use crate::stop::Stop;
 
 /// The leases `(partition, epoch)` whose accepted rows one session checked against its
 /// consumer's database while holding them: only their rows are read for that session. A
@@ -244,13 +245,25 @@ async fn assess(
 /// producer's, another relay's), and its highest position soon passes the lost ones. A
 /// consumer that answers no probes (an older build) is judged by its highest position, with
 /// a warning.
+///
+/// A `stop` ends the questions (they wait on the consumer; nothing is written yet) with
+/// [`RelayError::Interrupted`], never what follows them: the rows it lacks are marked in one
+/// producer.db transaction and said in a loud line, and once that began it runs to its end
+/// (bounded by the rows it changes), so no stop leaves rows changed without their line. No
+/// later judgement could say it: the rows are no longer recorded as accepted by then.
 pub async fn judge(
     channel: Channel,
     ledger: &Ledger,
     link: &Link,
     judged: &mut Judged,
+    stop: &Stop,
 ) -> Result<Option<String>, RelayError> {
-    let Some(found) = assess(channel, ledger, link, judged).await? else { return Ok(None) };
+    let assessed = tokio::select! {
+        biased;
+        () = stop.asked() => return Err(RelayError::Interrupted("judging the consumer")),
+        assessed = assess(channel, ledger, link, judged) => assessed?,
+    };
+    let Some(found) = assessed else { return Ok(None) };
     let Assessment { producer_database_id, database_id, highest_inbox_position, lost, scope, probes, asks } =
         found;
     let (lost, judged_now) = ledger.resend_lost(database_id.clone(), lost, scope).await?;

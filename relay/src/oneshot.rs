@@ -141,7 +141,7 @@ pub async fn drain(
     }
 }
 
-/// Opens the one stream of a one-shot mode, unless a stop comes first.
+/// Opens the one stream of a one-shot mode, unless a stop comes first (see [`Session::start`]).
 async fn open(
     config: &Config,
     ledger: &Ledger,
@@ -149,10 +149,10 @@ async fn open(
     stop: &Stop,
     mode: &'static str,
 ) -> Result<Session, RelayError> {
-    tokio::select! {
-        opened = Session::open(&config.link, window, ONE_SHOT_CONNECT_DEADLINE, ledger) => opened,
-        () = stop.asked() => Err(RelayError::Interrupted(mode)),
-    }
+    Session::open(&config.link, window, ONE_SHOT_CONNECT_DEADLINE, ledger, stop).await.map_err(|e| match e {
+        RelayError::Interrupted(_) => RelayError::Interrupted(mode),
+        e => e,
+    })
 }
 
 /// One warning per flow held back (a one-shot run never offers that flow again).

@@ -17,6 +17,7 @@ use crate::Link;
 use crate::error::RelayError;
 use crate::identity::Judged;
 use crate::ledger::Ledger;
+use crate::stop::Stop;
 
 /// One open `Receive` stream: envelopes go out through `outbound`, answers come back in
 /// order on `answers`.
@@ -38,15 +39,20 @@ pub struct Session {
 
 impl Session {
     /// Connects to the consumer (retrying until `connect_deadline`) and opens a `Receive`
-    /// stream on the connection ([`Session::start`]).
+    /// stream on the connection ([`Session::start`]). A `stop` ends it as there.
     pub async fn open(
         link: &Link,
         window: usize,
         connect_deadline: Duration,
         ledger: &Ledger,
+        stop: &Stop,
     ) -> Result<Session, RelayError> {
-        let channel = crate::connect::channel(link, connect_deadline).await?;
-        Session::start(channel, link, window, ledger).await
+        let channel = tokio::select! {
+            biased;
+            () = stop.asked() => return Err(RelayError::Interrupted("connecting")),
+            channel = crate::connect::channel(link, connect_deadline) => channel?,
+        };
+        Session::start(channel, link, window, ledger, stop).await
     }
 
     /// Opens a `Receive` stream with room for `window` envelopes on `channel`. The consumer
@@ -54,20 +60,26 @@ impl Session {
     /// hanging it. Before the stream opens, the consumer's database identity is checked
     /// against what producer.db recorded as accepted ([`crate::identity`]): what it lost is
     /// sent again. `run` calls it between passes only (no mark of another stream in flight).
+    /// A `stop` ends the waits on the consumer with [`RelayError::Interrupted`], never the
+    /// judgement's write ([`crate::identity::judge`]).
     pub async fn start(
         channel: Channel,
         link: &Link,
         window: usize,
         ledger: &Ledger,
+        stop: &Stop,
     ) -> Result<Session, RelayError> {
         let mut judged = Judged::default();
-        let consumer_db = crate::identity::judge(channel.clone(), ledger, link, &mut judged).await?;
+        let consumer_db = crate::identity::judge(channel.clone(), ledger, link, &mut judged, stop).await?;
         let (outbound, rx) = mpsc::channel(window.max(1));
         let mut client =
             ConsumerClient::with_interceptor(channel.clone(), SendToken::new(link.token.as_deref()));
-        let opened = tokio::time::timeout(link.answer_timeout, client.receive(ReceiverStream::new(rx)))
-            .await
-            .map_err(|_| RelayError::Unresponsive(link.answer_timeout))?;
+        let opened = tokio::select! {
+            biased;
+            () = stop.asked() => return Err(RelayError::Interrupted("opening the stream")),
+            opened = tokio::time::timeout(link.answer_timeout, client.receive(ReceiverStream::new(rx))) => opened,
+        }
+        .map_err(|_| RelayError::Unresponsive(link.answer_timeout))?;
         let answers = opened.map_err(|s| RelayError::Stream(s.to_string()))?.into_inner();
         Ok(Session {
             outbound,
@@ -94,12 +106,12 @@ impl Session {
     /// (a dead relay's partitions taken over, a share gained by rebalancing) against the
     /// consumer, so their rows are sent on this stream only once what it lacks of them was
     /// sent again. Asks the consumer nothing when no lease is new.
-    pub async fn judge_new(&mut self, link: &Link, ledger: &Ledger) -> Result<(), RelayError> {
+    pub async fn judge_new(&mut self, link: &Link, ledger: &Ledger, stop: &Stop) -> Result<(), RelayError> {
         if ledger.unjudged(&mut self.judged).is_none_or(|new| new.is_empty()) {
             return Ok(());
         }
         self.identified_at = Instant::now();
-        self.consumer_db = crate::identity::judge(self.channel.clone(), ledger, link, &mut self.judged)
+        self.consumer_db = crate::identity::judge(self.channel.clone(), ledger, link, &mut self.judged, stop)
             .await?
             .map(Arc::from);
         Ok(())
@@ -109,14 +121,19 @@ impl Session {
     /// [`crate::identity::IDLE_RECHECK`], so a consumer restarted on a restored or recreated
     /// database is noticed even when no row is left to send (the stream would only fail on
     /// the next send).
-    pub async fn recheck_identity(&mut self, link: &Link, ledger: &Ledger) -> Result<(), RelayError> {
+    pub async fn recheck_identity(
+        &mut self,
+        link: &Link,
+        ledger: &Ledger,
+        stop: &Stop,
+    ) -> Result<(), RelayError> {
         if self.identified_at.elapsed() < crate::identity::IDLE_RECHECK {
             return Ok(());
         }
         self.identified_at = Instant::now();
         // Every lease is judged again against whatever database answers now.
         self.judged = Judged::default();
-        self.consumer_db = crate::identity::judge(self.channel.clone(), ledger, link, &mut self.judged)
+        self.consumer_db = crate::identity::judge(self.channel.clone(), ledger, link, &mut self.judged, stop)
             .await?
             .map(Arc::from);
         Ok(())

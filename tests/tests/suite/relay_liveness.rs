@@ -416,3 +416,104 @@ async fn a_consumer_without_probe_answers_is_judged_by_its_highest_position() {
     assert_eq!(again, ["A2", "A3", "B1"]);
     assert!(all_accepted(&producer.db).is_some());
 }
+
+/// SQLite: another connection holds `path`'s write lock now (a `BEGIN IMMEDIATE` that does not
+/// wait fails with `SQLITE_BUSY`). PostgreSQL: a session of the database sleeps in
+/// [`SLOW_UNMARK`]'s trigger.
+fn unmark_in_progress(target: &Target) -> Option<()> {
+    match target {
+        Target::Sqlite(path) => {
+            let conn = rusqlite::Connection::open(path).ok()?;
+            conn.busy_timeout(Duration::ZERO).ok()?;
+            match conn.execute_batch("BEGIN IMMEDIATE; ROLLBACK;") {
+                Err(rusqlite::Error::SqliteFailure(e, _)) if e.code == rusqlite::ErrorCode::DatabaseBusy => {
+                    Some(())
+                }
+                _ => None,
+            }
+        }
+        Target::Postgres(url) => {
+            let session = db::PgSession::connect(url, true).ok()?;
+            let sleeping = session
+                .run(|client| {
+                    client
+                        .query_one(
+                            "SELECT count(*) FROM pg_stat_activity
+                             WHERE datname = current_database() AND wait_event = 'PgSleep'",
+                            &[],
+                        )
+                        .map(|row| row.get::<_, i64>(0))
+                })
+                .ok()?
+                .ok()?;
+            (sleeping > 0).then_some(())
+        }
+    }
+}
+
+/// A trigger that makes the relay's unmark of row `A1` take a while (seconds): on SQLite a
+/// cross join of a 10 000-row table counted, on PostgreSQL `pg_sleep(3)`.
+fn slow_unmark_sql(target: &Target) -> String {
+    const WHEN: &str = "OLD.accepted = 1 AND NEW.accepted = 0 AND NEW.event_id = 'A1'";
+    match target {
+        Target::Sqlite(_) => format!(
+            "CREATE TABLE slow_rows(x INTEGER);
+             WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM n WHERE x < 10000)
+             INSERT INTO slow_rows SELECT x FROM n;
+             CREATE TRIGGER slow_unmark AFTER UPDATE OF accepted ON outbox WHEN {WHEN}
+             BEGIN SELECT count(*) FROM slow_rows a, slow_rows b; END;"
+        ),
+        Target::Postgres(_) => {
+            let schema = db::Store::Producer.pg_schema();
+            format!(
+                "CREATE FUNCTION {schema}.slow_unmark() RETURNS trigger LANGUAGE plpgsql AS $body$
+                 BEGIN
+                     IF {WHEN} THEN PERFORM pg_sleep(3); END IF;
+                     RETURN NEW;
+                 END $body$;
+                 CREATE TRIGGER slow_unmark AFTER UPDATE ON {schema}.outbox
+                     FOR EACH ROW EXECUTE FUNCTION {schema}.slow_unmark();"
+            )
+        }
+    }
+}
+
+/// SIGTERM while `run` marks unaccepted the rows a replaced consumer database lacks: the stop
+/// ends the waits on the consumer, never that producer.db transaction once it began, so the
+/// rows change together with their loud line and the run exits 0. (Before, the stop dropped
+/// the judgement while SQLite went on and committed the unmark: the rows were unaccepted with
+/// no line saying why, and no later judgement could say it, the rows being unaccepted by then.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_during_the_unmark_of_a_replaced_consumer_database_lets_it_finish_and_say_so() {
+    let Some(mut work) = Workdir::for_test() else { return };
+    let producer = Producer::start(&work, &[]);
+    let consumer = Consumer::start(&work, false, &[]);
+    commit(&producer, "A", 3).await;
+    let first = relay(&producer.db, &consumer.process.url(), &["drain"], &[]);
+    assert_eq!((first.code, first.outcomes()), (Some(0), vec!["ACCEPTED".to_owned(); 3]), "{first:?}");
+    let producer_db = producer.db.clone();
+    // Nothing else writes producer.db from here on: only the relay can hold its write lock.
+    drop(producer);
+    drop(consumer);
+    let replaced_db = work.other_db("consumer-2.db");
+    let replaced = Consumer::start_on(replaced_db, work.path("consumer-2.log"), false, &[]);
+    db::execute(&producer_db, &slow_unmark_sql(&producer_db));
+
+    let daemon = RelayDaemon::start(
+        work.dir.path(),
+        "relay-run",
+        &producer_db,
+        &replaced.process.url(),
+        &["--poll-ms", "20"],
+        &[],
+    );
+    wait_for(EXIT, || unmark_in_progress(&producer_db), || daemon.log_text());
+    let run = daemon.terminate(EXIT);
+    assert_eq!(run.code, Some(0), "{run:?}");
+    for id in ["A1", "A2", "A3"] {
+        assert_eq!(sends(&producer_db, id), (false, 1, Some("LOST_BY_CONSUMER".to_owned())), "{id}");
+    }
+    let loud: Vec<&str> = run.stderr.lines().filter(|l| l.contains("CONSUMER DATABASE REPLACED")).collect();
+    assert_eq!(loud.len(), 1, "{}", run.stderr);
+    assert!(loud[0].contains("rows=3"), "{}", run.stderr);
+}
