@@ -7,11 +7,11 @@
 //! commit), and while storage fails a recovery task probes it and, in auto-apply mode,
 //! applies what the failure left unapplied, so recovery needs no operator call.
 
-use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
 
+use proto::db::OpenedFiles;
 use proto::target::DbTarget;
 use tokio::sync::{Notify, watch};
 
@@ -27,19 +27,6 @@ pub const FAULT_ENV: &str = "ORDERED_EVENTS_FAULT_COMMIT_FAILS_WHILE";
 const RETRY_FIRST: Duration = Duration::from_millis(100);
 const RETRY_CAP: Duration = Duration::from_secs(5);
 
-/// One file's identity on disk (device, inode).
-type FileId = (u64, u64);
-
-fn file_id(path: &Path) -> Option<FileId> {
-    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
-}
-
-fn sidecar(path: &Path, suffix: &str) -> PathBuf {
-    let mut name = path.as_os_str().to_owned();
-    name.push(suffix);
-    PathBuf::from(name)
-}
-
 /// The storage state of one consumer database, shared by the writer, the appliers, the
 /// recovery task and the health service.
 #[derive(Debug)]
@@ -47,7 +34,7 @@ pub struct StorageWatch {
     /// The database, as logs show it (password hidden).
     shown: String,
     /// A SQLite database file and its WAL as this process opened them (none on PostgreSQL).
-    opened: Vec<(PathBuf, Option<FileId>)>,
+    opened: OpenedFiles,
     fault: Option<PathBuf>,
     /// The cause of the current failure, `None` while commits succeed.
     failing: Mutex<Option<String>>,
@@ -70,11 +57,8 @@ impl StorageWatch {
             );
         }
         let opened = match target {
-            DbTarget::Sqlite(path) => {
-                let wal = sidecar(path, "-wal");
-                vec![(path.clone(), file_id(path)), (wal.clone(), file_id(&wal))]
-            }
-            DbTarget::Postgres(_) => Vec::new(),
+            DbTarget::Sqlite(path) => OpenedFiles::of(path),
+            DbTarget::Postgres(_) => OpenedFiles::default(),
         };
         StorageWatch {
             shown: target.to_string(),
@@ -96,19 +80,13 @@ impl StorageWatch {
     /// back) when the database or its WAL at the path is no longer the file this process
     /// opened (deleted, or replaced by another file), or when the fault hook is armed.
     pub fn before_commit(&self) -> Result<(), StoreError> {
-        for (path, opened) in &self.opened {
-            let now = file_id(path);
-            // A WAL that did not exist at open is adopted when first seen.
-            if opened.is_some() && now != *opened {
-                let what = if now.is_none() { "was deleted" } else { "was replaced by another file" };
-                return Err(StoreError::FileReplaced(format!(
-                    "{} {what} under this running consumer; refusing to write to the file it had open \
-                     (restart the consumer: it reopens what is at the path, and a relay re-sends what \
-                     a new database lacks)",
-                    path.display()
-                )));
-            }
-        }
+        self.opened.check().map_err(|what| {
+            StoreError::FileReplaced(format!(
+                "{what} under this running consumer; refusing to write to the file it had open \
+                 (restart the consumer: it reopens what is at the path, and a relay re-sends what \
+                 a new database lacks)"
+            ))
+        })?;
         if let Some(fault) = &self.fault
             && fault.exists()
         {

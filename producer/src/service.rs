@@ -66,9 +66,10 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send,
     settings: &runtime::serve::ServerSettings,
 ) -> Result<(), tonic::transport::Error> {
+    let storage = service.store.serving();
     let svc = pb::producer_server::ProducerServer::new(service)
         .max_decoding_message_size(settings.max_message_bytes());
-    runtime::serve_authenticated(listener, svc, shutdown, settings, None).await
+    runtime::serve_authenticated(listener, svc, shutdown, settings, storage).await
 }
 
 fn event_pb(row: OutboxRecord) -> pb::StoredEvent {

@@ -227,6 +227,47 @@ pub fn open(path: &Path, kind: &DbKind, mode: OpenMode) -> Result<Connection, Db
     Ok(conn)
 }
 
+/// A database file and its WAL as a process opened them (device and inode), to tell before a
+/// commit whether the path still names them. A file deleted or replaced under a running
+/// process is otherwise written through its unlinked inode, and whatever the process commits
+/// then is gone with it, though every commit succeeded.
+#[derive(Clone, Debug, Default)]
+pub struct OpenedFiles(Vec<(PathBuf, Option<(u64, u64)>)>);
+
+impl OpenedFiles {
+    /// `path` and its `-wal` as they are now (call right after opening the connection).
+    pub fn of(path: &Path) -> OpenedFiles {
+        let wal = sidecar(path, "-wal");
+        OpenedFiles(vec![(path.to_owned(), file_id(path)), (wal.clone(), file_id(&wal))])
+    }
+
+    /// `Err("<path> was deleted")` (or `was replaced by another file`) when a path no longer
+    /// names the file opened; a WAL that did not exist at open is not checked. Two `stat`s.
+    pub fn check(&self) -> Result<(), String> {
+        for (path, opened) in &self.0 {
+            let now = file_id(path);
+            if opened.is_some() && now != *opened {
+                let what = if now.is_none() { "was deleted" } else { "was replaced by another file" };
+                return Err(format!("{} {what}", path.display()));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One file's identity on disk (device, inode); `None` when nothing is at `path`.
+fn file_id(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
+
+/// `path` with `suffix` appended to its file name (`-wal`, `-shm`).
+fn sidecar(path: &Path, suffix: &str) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(suffix);
+    PathBuf::from(name)
+}
+
 /// The `-wal`/`-shm` files beside `path` when `path` itself is missing: the traces of a
 /// database deleted while its sidecars stayed.
 fn orphan_sidecars(path: &Path) -> Vec<String> {
@@ -235,11 +276,7 @@ fn orphan_sidecars(path: &Path) -> Vec<String> {
     }
     ["-wal", "-shm"]
         .iter()
-        .map(|suffix| {
-            let mut name = path.as_os_str().to_owned();
-            name.push(suffix);
-            PathBuf::from(name)
-        })
+        .map(|suffix| sidecar(path, suffix))
         .filter(|p| p.exists())
         .map(|p| p.display().to_string())
         .collect()

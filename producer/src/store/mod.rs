@@ -563,6 +563,15 @@ impl ProducerStore {
         }
     }
 
+    /// Health from storage (SQLite's server only): `false` once producer.db was found deleted
+    /// or replaced under the running producer; `None` where nothing is watched.
+    pub fn serving(&self) -> Option<tokio::sync::watch::Receiver<bool>> {
+        match self {
+            ProducerStore::Sqlite(s) => s.serving(),
+            ProducerStore::Postgres(_) => None,
+        }
+    }
+
     /// The connection pool's state (PostgreSQL only).
     pub fn pool_status(&self) -> Option<runtime::metrics::PoolStatus> {
         match self {

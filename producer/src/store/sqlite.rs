@@ -302,20 +302,31 @@ pub struct SqliteStore {
     path: std::path::PathBuf,
     crash: CrashSwitch,
     writer: Option<mpsc::Sender<writer::AdvanceJob>>,
+    /// The server's: whether producer.db is still the file it opened (see [`writer::FileWatch`]).
+    files: Option<Arc<writer::FileWatch>>,
 }
 
 impl SqliteStore {
     /// Opens (the server: creating) producer.db; the server's role also starts the writer.
     pub fn open(path: &Path, role: Role, crash: CrashSwitch) -> Result<SqliteStore, runtime::OpenError> {
         let conn = Arc::new(Mutex::new(open(path, role.mode())?));
-        let writer = match role {
+        let (writer, files) = match role {
             Role::Server { max_batch, max_unaccepted } => {
                 tracing::info!(max_batch, ?max_unaccepted, "advance writer");
-                Some(writer::spawn(Arc::clone(&conn), crash, max_batch, max_unaccepted)?)
+                let files = Arc::new(writer::FileWatch::new(path));
+                let jobs =
+                    writer::spawn(Arc::clone(&conn), crash, max_batch, max_unaccepted, Arc::clone(&files))?;
+                (Some(jobs), Some(files))
             }
-            Role::Relay => None,
+            Role::Relay => (None, None),
         };
-        Ok(SqliteStore { conn, path: path.to_owned(), crash, writer })
+        Ok(SqliteStore { conn, path: path.to_owned(), crash, writer, files })
+    }
+
+    /// The server's health from its storage: `false` once producer.db was found deleted or
+    /// replaced under it.
+    pub(super) fn serving(&self) -> Option<tokio::sync::watch::Receiver<bool>> {
+        self.files.as_ref().map(|f| f.serving())
     }
 
     async fn blocking<T, F>(&self, what: &'static str, f: F) -> Result<T, StoreError>

@@ -2,7 +2,8 @@
 //! `consumer --auto-apply`): a consumer.db whose storage fails and recovers, one deleted under
 //! the running consumer, and one restored from an older copy. In every case the consumer says
 //! so (health, one log line per state change) and, in the end, every committed event is
-//! applied exactly once with no Apply call.
+//! applied exactly once with no Apply call. A producer.db deleted or replaced under the
+//! running producer makes it refuse every Advance, loudly.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -92,27 +93,31 @@ fn wait_every_event_applied_once(
     }
 }
 
-async fn health(url: &str) -> Option<ServingStatus> {
+async fn health(url: &str, service: &str) -> Option<ServingStatus> {
     let channel = tonic::transport::Endpoint::from_shared(url.to_owned()).ok()?.connect().await.ok()?;
-    let answer = HealthClient::new(channel)
-        .check(HealthCheckRequest { service: "ordered_events.v1.Consumer".into() })
-        .await
-        .ok()?;
+    let answer =
+        HealthClient::new(channel).check(HealthCheckRequest { service: service.into() }).await.ok()?;
     ServingStatus::try_from(answer.into_inner().status).ok()
 }
 
-/// Polls health until it reports `want`, or panics with what it reported last.
-async fn wait_health(consumer: &Consumer, want: ServingStatus) {
-    let url = consumer.process.url();
+/// Polls `service`'s health on `process` until it reports `want`, or panics with what it
+/// reported last.
+async fn wait_health_of(process: &ServerProcess, service: &str, want: ServingStatus) {
+    let url = process.url();
     let mut last = None;
     let reached = harness::background::poll_async(DEADLINE, async || {
-        last = health(&url).await;
+        last = health(&url, service).await;
         (last == Some(want)).then_some(())
     })
     .await;
     if reached.is_none() {
-        panic!("health never {want:?} (last {last:?}); log:\n{}", consumer.process.log_text());
+        panic!("{service} health never {want:?} (last {last:?}); log:\n{}", process.log_text());
     }
+}
+
+/// The consumer's [`wait_health_of`].
+async fn wait_health(consumer: &Consumer, want: ServingStatus) {
+    wait_health_of(&consumer.process, "ordered_events.v1.Consumer", want).await;
 }
 
 /// How the test makes consumer.db's storage fail.
@@ -695,4 +700,46 @@ async fn a_restored_consumer_whose_reused_positions_another_producer_filled_firs
     assert!(!again.stderr.contains("CONSUMER DATABASE RESTORED"), "{}", again.stderr);
     assert_eq!(judgement(&again), ("probes=256", "asks=1"), "{}", again.stderr);
     assert_eq!(held(&restored).len(), x_ids.len() + y_ids.len());
+}
+
+/// producer.db deleted, or replaced by another file, under the running producer: every
+/// `Advance` is refused with `INTERNAL` naming the cause and nothing is written, one loud line
+/// says so, and health turns `NOT_SERVING`. Before, the producer answered `COMMITTED` into the
+/// unlinked file: each such event was gone with the process (nothing else can open that
+/// file, and a restart refuses a deleted database's leftovers).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_database_deleted_or_replaced_under_the_producer_refuses_every_advance() {
+    harness::sqlite_only!("deletes and replaces producer.db under the running producer");
+    let Some(work) = Workdir::for_test() else { return };
+    for (i, how) in ["was deleted", "was replaced by another file"].into_iter().enumerate() {
+        let file = work.path(&format!("producer-{i}.db"));
+        let producer =
+            Producer::start_on(Target::Sqlite(file.clone()), work.path(&format!("producer-{i}.log")), &[]);
+        let first = producer.advance(harness::advance("A", "A1", 0, "reserved", 1)).await;
+        assert_eq!(AdvanceOutcome::try_from(first.outcome), Ok(AdvanceOutcome::Committed), "{first:?}");
+        if i == 0 {
+            std::fs::remove_file(&file).expect("delete producer.db");
+        } else {
+            // Another file at the path: a copy, renamed over it (a new inode).
+            let copy = work.path("producer-copy.db");
+            std::fs::copy(&file, &copy).expect("copy producer.db");
+            std::fs::rename(&copy, &file).expect("replace producer.db");
+        }
+        for (flow, expected_seq, kind) in [("A", 1, "confirmed"), ("B", 0, "reserved")] {
+            let req = harness::advance(flow, &format!("{flow}{}", expected_seq + 1), expected_seq, kind, 1);
+            let refused =
+                producer.client().await.advance(req).await.expect_err("an Advance after the file went");
+            assert_eq!(refused.code(), tonic::Code::Internal, "{how}: {refused:?}");
+            assert!(refused.message().contains(&format!("{how} under this running producer")), "{refused:?}");
+        }
+        wait_health_of(&producer.process, "ordered_events.v1.Producer", ServingStatus::NotServing).await;
+        let log = producer.process.log_text();
+        assert_eq!(log.matches("PRODUCER DATABASE GONE").count(), 1, "{log}");
+        if i == 1 {
+            // Nothing refused was written to the file now at the path either.
+            let rows: Vec<String> =
+                db::outbox(&Target::Sqlite(file)).into_iter().map(|r| r.event_id).collect();
+            assert!(!rows.iter().any(|id| id == "A2" || id == "B1"), "{rows:?}");
+        }
+    }
 }

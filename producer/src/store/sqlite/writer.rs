@@ -3,12 +3,13 @@
 //! raising, rolls back alone and gets its own error: see [`advance_batch`]), and answers
 //! every call only after the commit that holds it.
 
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use proto::crash::{CrashPoint, CrashSwitch};
-use proto::db::{self, StepFailure, Steps};
+use proto::db::{self, OpenedFiles, StepFailure, Steps};
 use rusqlite::Connection;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::request::AdvanceCommand;
 use crate::store::{ADVANCE_BATCHES, AdvanceReply, StoreError};
@@ -21,12 +22,59 @@ pub struct AdvanceJob {
     pub reply: oneshot::Sender<Result<AdvanceReply, StoreError>>,
 }
 
+/// Whether producer.db at its path is still the file this producer opened, checked before
+/// every `Advance` commit. Committed into a deleted or replaced file, an event would be
+/// answered `COMMITTED` and be gone with the process (nothing else can open that file; a
+/// restarted producer refuses the leftovers of a deleted one). The first refusal is logged
+/// once and turns health `NOT_SERVING`, for good: only a restart opens what is at the path.
+#[derive(Debug)]
+pub struct FileWatch {
+    files: OpenedFiles,
+    serving: watch::Sender<bool>,
+}
+
+impl FileWatch {
+    /// Watches `path` as it is now (call right after opening it).
+    pub fn new(path: &Path) -> FileWatch {
+        FileWatch { files: OpenedFiles::of(path), serving: watch::Sender::new(true) }
+    }
+
+    /// `false` once a commit was refused (for health).
+    pub fn serving(&self) -> watch::Receiver<bool> {
+        self.serving.subscribe()
+    }
+
+    /// Inside the transaction, just before its commit: refuses (the caller rolls back) when
+    /// the path no longer names the file opened.
+    fn before_commit(&self) -> Result<(), StoreError> {
+        self.files.check().map_err(|what| {
+            if self.serving.send_if_modified(|s| std::mem::replace(s, false)) {
+                tracing::error!(
+                    error = %what,
+                    "PRODUCER DATABASE GONE under this running producer: no Advance commits any more (each is \
+                     answered INTERNAL and nothing of it is written), health NOT_SERVING; restart the producer: \
+                     it opens what is at the path, or refuses a deleted database's leftovers"
+                );
+            }
+            StoreError::Storage {
+                what: "advance commit",
+                detail: format!(
+                    "{what} under this running producer; refusing to commit to the file it had open \
+                     (restart the producer)"
+                ),
+            }
+        })
+    }
+}
+
 /// Starts the writer thread; calls wait (back-pressure) when `4 × max_batch` are queued.
+/// Every commit is preceded by `files`' check.
 pub fn spawn(
     conn: Arc<Mutex<Connection>>,
     crash: CrashSwitch,
     max_batch: usize,
     max_unaccepted: Option<u64>,
+    files: Arc<FileWatch>,
 ) -> std::io::Result<mpsc::Sender<AdvanceJob>> {
     runtime::group::spawn_writer(
         "advance-writer",
@@ -36,7 +84,7 @@ pub fn spawn(
             let (cmds, replies): (Vec<_>, Vec<_>) = jobs.into_iter().map(|j| (j.cmd, j.reply)).unzip();
             let started = std::time::Instant::now();
             let results =
-                { advance_batch(&mut runtime::blocking::lock(&conn), &cmds, &crash, max_unaccepted) };
+                { advance_batch(&mut runtime::blocking::lock(&conn), &cmds, &crash, max_unaccepted, &files) };
             ADVANCE_BATCHES.record_timed(cmds.len(), started);
             tracing::debug!(calls = cmds.len(), us = started.elapsed().as_micros() as u64, "advance batch");
             for (reply, result) in replies.into_iter().zip(results) {
@@ -58,16 +106,18 @@ fn queue_len(max_batch: usize) -> usize {
 /// failing call (e.g. a trigger raising) rolls back alone and gets its own error (see
 /// [`db::Steps`]). Commits only when some call wrote (`COMMITTED`); a batch of
 /// `EXISTING`/`STALE`/… answers writes nothing and reaches no crash point. If the commit
-/// fails, every call of the batch gets the error (none of them is committed).
+/// fails, or `files` refuses it, every call of the batch gets the error (none of them is
+/// committed).
 pub fn advance_batch(
     conn: &mut Connection,
     cmds: &[AdvanceCommand],
     crash: &CrashSwitch,
     max_unaccepted: Option<u64>,
+    files: &FileWatch,
 ) -> Vec<Result<AdvanceReply, StoreError>> {
-    match advance_in_tx(conn, cmds, crash, max_unaccepted, Steps::Direct) {
+    match advance_in_tx(conn, cmds, crash, max_unaccepted, files, Steps::Direct) {
         Some(results) => results,
-        None => advance_in_tx(conn, cmds, crash, max_unaccepted, Steps::Savepoint)
+        None => advance_in_tx(conn, cmds, crash, max_unaccepted, files, Steps::Savepoint)
             // With savepoints every failure is answered; nothing asks for another run.
             .unwrap_or_default(),
     }
@@ -80,6 +130,7 @@ fn advance_in_tx(
     cmds: &[AdvanceCommand],
     crash: &CrashSwitch,
     max_unaccepted: Option<u64>,
+    files: &FileWatch,
     steps: Steps,
 ) -> Option<Vec<Result<AdvanceReply, StoreError>>> {
     let fail_all = |e: StoreError| Some(cmds.iter().map(|_| Err(e.clone())).collect());
@@ -110,7 +161,11 @@ fn advance_in_tx(
         // Nothing was written; dropping the transaction releases the lock.
         return Some(results);
     }
-    if let Err(e) = unaccepted.write(&tx).and_then(|()| tx.commit().map_err(StoreError::from)) {
+    let committed = unaccepted
+        .write(&tx)
+        .and_then(|()| files.before_commit())
+        .and_then(|()| tx.commit().map_err(StoreError::from));
+    if let Err(e) = committed {
         return fail_all(e.during("advance commit"));
     }
     crash.reach(CrashPoint::ProducerAfterCommit);
@@ -124,6 +179,10 @@ mod tests {
     use crate::store::sqlite as store;
     use crate::store::sqlite::tests::step_of as cmd;
     use proto::db::OpenMode;
+
+    fn watch(dir: &tempfile::TempDir) -> FileWatch {
+        FileWatch::new(&dir.path().join("p.db"))
+    }
 
     fn outcome(r: &Result<AdvanceReply, StoreError>) -> Result<AdvanceOutcome, bool> {
         r.as_ref().map(|r| r.outcome.clone()).map_err(StoreError::is_retryable)
@@ -142,7 +201,7 @@ mod tests {
             cmd("B", "A2", 0, "reserved"),
             cmd("B", "B1", 0, "released"),
         ];
-        let results = advance_batch(&mut conn, &batch, &CrashSwitch::default(), None);
+        let results = advance_batch(&mut conn, &batch, &CrashSwitch::default(), None, &watch(&dir));
         let got: Vec<_> = results.iter().map(outcome).collect();
         assert!(matches!(got[5], Ok(AdvanceOutcome::InvalidTransition(_))), "{got:?}");
         assert_eq!(
@@ -167,7 +226,13 @@ mod tests {
     fn a_taken_id_at_the_expected_seq_is_answered_by_its_history() {
         let dir = tempfile::tempdir().unwrap();
         let mut conn = store::open(&dir.path().join("p.db"), OpenMode::Create).unwrap();
-        advance_batch(&mut conn, &[cmd("A", "A1", 0, "reserved")], &CrashSwitch::default(), None);
+        advance_batch(
+            &mut conn,
+            &[cmd("A", "A1", 0, "reserved")],
+            &CrashSwitch::default(),
+            None,
+            &watch(&dir),
+        );
         let batch = [
             cmd("B", "B1", 0, "reserved"),
             cmd("C", "A1", 0, "reserved"),
@@ -175,7 +240,7 @@ mod tests {
             cmd("E", "E1", 0, "released"),
             cmd("B", "B2", 1, "confirmed"),
         ];
-        let results = advance_batch(&mut conn, &batch, &CrashSwitch::default(), None);
+        let results = advance_batch(&mut conn, &batch, &CrashSwitch::default(), None, &watch(&dir));
         let got: Vec<_> = results.iter().map(outcome).collect();
         assert_eq!(
             got[..3],
@@ -195,7 +260,13 @@ mod tests {
     fn a_batch_without_writes_commits_nothing() {
         let dir = tempfile::tempdir().unwrap();
         let mut conn = store::open(&dir.path().join("p.db"), OpenMode::Create).unwrap();
-        advance_batch(&mut conn, &[cmd("A", "A1", 0, "reserved")], &CrashSwitch::default(), None);
+        advance_batch(
+            &mut conn,
+            &[cmd("A", "A1", 0, "reserved")],
+            &CrashSwitch::default(),
+            None,
+            &watch(&dir),
+        );
         let wal = dir.path().join("p.db-wal");
         let before = std::fs::metadata(&wal).unwrap().len();
         let results = advance_batch(
@@ -203,6 +274,7 @@ mod tests {
             &[cmd("A", "A1", 0, "reserved"), cmd("A", "Z", 0, "reserved")],
             &CrashSwitch::default(),
             None,
+            &watch(&dir),
         );
         assert_eq!(outcome(&results[0]), Ok(AdvanceOutcome::Existing));
         assert_eq!(outcome(&results[1]), Ok(AdvanceOutcome::Stale));
