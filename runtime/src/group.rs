@@ -2,7 +2,7 @@
 //! thread owns the writes and takes every job already queued (up to a cap) into one
 //! transaction, so many callers share one durable commit and each is answered after it.
 
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 /// The largest batch cap any `--max-batch`-style flag accepts.
 pub const MAX_BATCH_CAP: usize = 65_536;
@@ -37,6 +37,61 @@ where
         }
     })?;
     Ok(tx)
+}
+
+/// Answers a writer thread hands to its callers, a batch at a time. Each answer sent from
+/// the writer thread straight to a caller's task wakes the runtime from another thread (a
+/// remote schedule and, while the runtime sleeps, a `write` to its wake-up eventfd) and lets
+/// each caller's response leave in a write of its own. Handed over as one batch, to a task
+/// on the runtime that answers them there, a batch costs one wake-up, and its callers'
+/// responses are ready in the same turn of the runtime, so a connection writes them together.
+pub struct Answers<T> {
+    /// To the answering task; `None` outside a runtime (answers go straight to the callers).
+    batches: Option<mpsc::UnboundedSender<Answered<T>>>,
+}
+
+/// A batch's callers, each with its answer.
+pub type Answered<T> = Vec<(oneshot::Sender<T>, T)>;
+
+impl<T: Send + 'static> Answers<T> {
+    /// Spawns the answering task on the current runtime, if any. The queue is bounded by the
+    /// writer's: it holds the answers of the batches taken and not answered yet.
+    pub fn new() -> Answers<T> {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return Answers { batches: None } };
+        let (batches, mut queued) = mpsc::unbounded_channel::<Answered<T>>();
+        runtime.spawn(async move {
+            while let Some(batch) = queued.recv().await {
+                answer_all(batch);
+            }
+        });
+        Answers { batches: Some(batches) }
+    }
+
+    /// Answers every caller of `batch`, in order (a caller that went away is skipped).
+    pub fn send(&self, batch: Answered<T>) {
+        match &self.batches {
+            Some(batches) => {
+                // The runtime is gone (shutting down): answer from here.
+                if let Err(mpsc::error::SendError(batch)) = batches.send(batch) {
+                    answer_all(batch);
+                }
+            }
+            None => answer_all(batch),
+        }
+    }
+}
+
+impl<T: Send + 'static> Default for Answers<T> {
+    fn default() -> Self {
+        Answers::new()
+    }
+}
+
+fn answer_all<T>(batch: Answered<T>) {
+    for (caller, answer) in batch {
+        // The caller may have gone away (deadline, disconnect); its answer is moot.
+        let _ = caller.send(answer);
+    }
 }
 
 /// Parses a batch cap flag: an integer from 1 to [`MAX_BATCH_CAP`].
@@ -81,6 +136,33 @@ mod tests {
         assert!(batches.iter().all(|b| !b.is_empty() && b.len() <= 3), "{batches:?}");
         let left_after_first = 6 - batches[0].len();
         assert_eq!(batches[1].len(), left_after_first.min(3), "{batches:?}");
+    }
+
+    /// On a runtime the answers travel as one batch and arrive in order; outside one they go
+    /// straight to the callers.
+    #[test]
+    fn answers_reach_every_caller_with_or_without_a_runtime() {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        for inside in [true, false] {
+            let answers: Answers<u32> =
+                if inside { runtime.block_on(async { Answers::new() }) } else { Answers::new() };
+            assert_eq!(answers.batches.is_some(), inside);
+            let (callers, waits): (Vec<_>, Vec<_>) = (0..5).map(|_| oneshot::channel::<u32>()).unzip();
+            // A caller gone before its answer is skipped; the others get theirs.
+            let mut waits = waits;
+            drop(waits.remove(2));
+            std::thread::spawn(move || answers.send(callers.into_iter().zip(10..15).collect()))
+                .join()
+                .unwrap();
+            let got: Vec<u32> = runtime.block_on(async {
+                let mut got = Vec::new();
+                for w in waits {
+                    got.push(w.await.unwrap());
+                }
+                got
+            });
+            assert_eq!(got, [10, 11, 13, 14]);
+        }
     }
 
     #[test]

@@ -76,6 +76,7 @@ pub fn spawn(
     max_unaccepted: Option<u64>,
     files: Arc<FileWatch>,
 ) -> std::io::Result<mpsc::Sender<AdvanceJob>> {
+    let answers = runtime::group::Answers::new();
     runtime::group::spawn_writer(
         "advance-writer",
         max_batch,
@@ -87,10 +88,7 @@ pub fn spawn(
                 { advance_batch(&mut runtime::blocking::lock(&conn), &cmds, &crash, max_unaccepted, &files) };
             ADVANCE_BATCHES.record_timed(cmds.len(), started);
             tracing::debug!(calls = cmds.len(), us = started.elapsed().as_micros() as u64, "advance batch");
-            for (reply, result) in replies.into_iter().zip(results) {
-                // The caller may have gone away (deadline, disconnect); its answer is moot.
-                let _ = reply.send(result);
-            }
+            answers.send(replies.into_iter().zip(results).collect());
         },
     )
 }
