@@ -739,6 +739,29 @@ mod tests {
         assert!(matches!(open(&path, &KIND, OpenMode::Create), Err(DbError::Newer { found: 2, .. })));
     }
 
+    /// The files opened pass the check while they are at the path; a deleted or replaced
+    /// database (or WAL) is named with what became of it; a WAL absent at open is not checked.
+    #[test]
+    fn opened_files_tell_a_deleted_or_replaced_database() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.db");
+        let _conn = open(&path, &KIND, OpenMode::Create).unwrap();
+        let opened = OpenedFiles::of(&path);
+        assert_eq!(opened.check(), Ok(()));
+        let copy = dir.path().join("copy.db");
+        std::fs::copy(&path, &copy).unwrap();
+        std::fs::rename(&copy, &path).unwrap();
+        assert_eq!(opened.check(), Err(format!("{} was replaced by another file", path.display())));
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(opened.check(), Err(format!("{} was deleted", path.display())));
+
+        let fresh = dir.path().join("fresh.db");
+        std::fs::write(&fresh, b"").unwrap();
+        let opened = OpenedFiles::of(&fresh);
+        std::fs::write(sidecar(&fresh, "-wal"), b"").unwrap();
+        assert_eq!(opened.check(), Ok(()), "a WAL that appeared after the open is not another file");
+    }
+
     /// One give-back step returns as many free pages as it is asked for, in one transaction
     /// (not one page: the pragma must be stepped to its end), and the file shrinks by them.
     #[test]

@@ -178,8 +178,13 @@ mod tests {
     use crate::store::sqlite::tests::step_of as cmd;
     use proto::db::OpenMode;
 
-    fn watch(dir: &tempfile::TempDir) -> FileWatch {
-        FileWatch::new(&dir.path().join("p.db"))
+    /// [`advance_batch`] on `dir`'s `p.db`, without crash points or an outbox cap.
+    fn run(
+        conn: &mut Connection,
+        dir: &tempfile::TempDir,
+        batch: &[AdvanceCommand],
+    ) -> Vec<Result<AdvanceReply, StoreError>> {
+        advance_batch(conn, batch, &CrashSwitch::default(), None, &FileWatch::new(&dir.path().join("p.db")))
     }
 
     fn outcome(r: &Result<AdvanceReply, StoreError>) -> Result<AdvanceOutcome, bool> {
@@ -199,7 +204,7 @@ mod tests {
             cmd("B", "A2", 0, "reserved"),
             cmd("B", "B1", 0, "released"),
         ];
-        let results = advance_batch(&mut conn, &batch, &CrashSwitch::default(), None, &watch(&dir));
+        let results = run(&mut conn, &dir, &batch);
         let got: Vec<_> = results.iter().map(outcome).collect();
         assert!(matches!(got[5], Ok(AdvanceOutcome::InvalidTransition(_))), "{got:?}");
         assert_eq!(
@@ -224,13 +229,7 @@ mod tests {
     fn a_taken_id_at_the_expected_seq_is_answered_by_its_history() {
         let dir = tempfile::tempdir().unwrap();
         let mut conn = store::open(&dir.path().join("p.db"), OpenMode::Create).unwrap();
-        advance_batch(
-            &mut conn,
-            &[cmd("A", "A1", 0, "reserved")],
-            &CrashSwitch::default(),
-            None,
-            &watch(&dir),
-        );
+        run(&mut conn, &dir, &[cmd("A", "A1", 0, "reserved")]);
         let batch = [
             cmd("B", "B1", 0, "reserved"),
             cmd("C", "A1", 0, "reserved"),
@@ -238,7 +237,7 @@ mod tests {
             cmd("E", "E1", 0, "released"),
             cmd("B", "B2", 1, "confirmed"),
         ];
-        let results = advance_batch(&mut conn, &batch, &CrashSwitch::default(), None, &watch(&dir));
+        let results = run(&mut conn, &dir, &batch);
         let got: Vec<_> = results.iter().map(outcome).collect();
         assert_eq!(
             got[..3],
@@ -258,22 +257,10 @@ mod tests {
     fn a_batch_without_writes_commits_nothing() {
         let dir = tempfile::tempdir().unwrap();
         let mut conn = store::open(&dir.path().join("p.db"), OpenMode::Create).unwrap();
-        advance_batch(
-            &mut conn,
-            &[cmd("A", "A1", 0, "reserved")],
-            &CrashSwitch::default(),
-            None,
-            &watch(&dir),
-        );
+        run(&mut conn, &dir, &[cmd("A", "A1", 0, "reserved")]);
         let wal = dir.path().join("p.db-wal");
         let before = std::fs::metadata(&wal).unwrap().len();
-        let results = advance_batch(
-            &mut conn,
-            &[cmd("A", "A1", 0, "reserved"), cmd("A", "Z", 0, "reserved")],
-            &CrashSwitch::default(),
-            None,
-            &watch(&dir),
-        );
+        let results = run(&mut conn, &dir, &[cmd("A", "A1", 0, "reserved"), cmd("A", "Z", 0, "reserved")]);
         assert_eq!(outcome(&results[0]), Ok(AdvanceOutcome::Existing));
         assert_eq!(outcome(&results[1]), Ok(AdvanceOutcome::Stale));
         assert_eq!(std::fs::metadata(&wal).unwrap().len(), before, "a batch without writes wrote the WAL");
