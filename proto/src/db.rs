@@ -238,7 +238,8 @@ impl OpenedFiles {
     /// `path` and its `-wal` as they are now (call right after opening the connection).
     pub fn of(path: &Path) -> OpenedFiles {
         let wal = sidecar(path, "-wal");
-        OpenedFiles(vec![(path.to_owned(), file_id(path)), (wal.clone(), file_id(&wal))])
+        let wal_id = file_id(&wal);
+        OpenedFiles(vec![(path.to_owned(), file_id(path)), (wal, wal_id)])
     }
 
     /// `Err("<path> was deleted")` (or `was replaced by another file`) when a path no longer
