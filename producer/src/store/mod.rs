@@ -563,12 +563,13 @@ impl ProducerStore {
         }
     }
 
-    /// Health from storage (SQLite's server only): `false` once producer.db was found deleted
-    /// or replaced under the running producer; `None` where nothing is watched.
+    /// The server's health from its storage (`None` for the relay's store): on SQLite `false`
+    /// once producer.db was found deleted or replaced under the running producer, on
+    /// PostgreSQL while the server is found gone.
     pub fn serving(&self) -> Option<tokio::sync::watch::Receiver<bool>> {
         match self {
             ProducerStore::Sqlite(s) => s.serving(),
-            ProducerStore::Postgres(_) => None,
+            ProducerStore::Postgres(s) => s.serving(),
         }
     }
 

@@ -12,7 +12,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use deadpool_postgres::ClientWrapper as Conn;
 use deadpool_postgres::{Object, Pool};
@@ -21,7 +21,7 @@ use proto::flow::FlowState;
 use proto::pg::{PgKind, is_retryable, is_serialization_failure};
 use proto::target::PgUrl;
 use runtime::metrics::{GaugeReader, GaugeSample};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Notify, mpsc, oneshot, watch};
 use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
@@ -274,6 +274,87 @@ pub struct PgStore {
     database_id: String,
     crash: CrashSwitch,
     writer: Option<mpsc::Sender<AdvanceJob>>,
+    /// The server's: whether the database takes its commits (see [`ServerHealth`]).
+    health: Option<Arc<ServerHealth>>,
+}
+
+/// The first pause between probes of a server that went away, and its cap.
+const PROBE_FIRST: Duration = Duration::from_millis(100);
+const PROBE_CAP: Duration = Duration::from_secs(5);
+
+/// Whether the PostgreSQL server takes the producer's commits, for gRPC health: an `Advance`
+/// batch that gets no connection, or loses its connection, turns health `NOT_SERVING`
+/// (logged once per cause); a probe task (a connection from the pool and `SELECT 1`, backing
+/// off from 100 ms to 5 s), or the next committed batch, turns it back. Callers get
+/// `UNAVAILABLE` meanwhile, as before; a load balancer also sees it in health.
+#[derive(Debug)]
+struct ServerHealth {
+    serving: watch::Sender<bool>,
+    /// The cause of the current failure, `None` while batches commit.
+    failing: std::sync::Mutex<Option<String>>,
+    wake: Notify,
+}
+
+impl ServerHealth {
+    /// Starts the probe task on the current runtime.
+    fn start(pool: Pool) -> Arc<ServerHealth> {
+        let health = Arc::new(ServerHealth {
+            serving: watch::Sender::new(true),
+            failing: std::sync::Mutex::new(None),
+            wake: Notify::new(),
+        });
+        let probing = Arc::clone(&health);
+        tokio::spawn(async move {
+            let mut pause = PROBE_FIRST;
+            loop {
+                if !probing.is_failing() {
+                    pause = PROBE_FIRST;
+                    probing.wake.notified().await;
+                    continue;
+                }
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(PROBE_CAP);
+                match pool.get().await {
+                    Ok(client) => match client.simple_query("SELECT 1").await {
+                        Ok(_) => probing.succeeded(),
+                        Err(e) => probing.failed(&proto::pg::describe(&e)),
+                    },
+                    Err(e) => probing.failed(&proto::pg::pool_error(&e)),
+                }
+            }
+        });
+        health
+    }
+
+    fn is_failing(&self) -> bool {
+        runtime::blocking::lock(&self.failing).is_some()
+    }
+
+    /// The server went away (no connection, or a lost one): health `NOT_SERVING`, a cause
+    /// logged when it changes, and the probe woken.
+    fn failed(&self, cause: &str) {
+        let mut failing = runtime::blocking::lock(&self.failing);
+        if failing.as_deref() != Some(cause) {
+            tracing::error!(
+                error = %cause,
+                "producer database cannot commit: health NOT_SERVING, every Advance is answered UNAVAILABLE \
+                 until it can (probed with backoff)"
+            );
+            *failing = Some(cause.to_owned());
+        }
+        self.serving.send_if_modified(|s| std::mem::replace(s, false));
+        self.wake.notify_one();
+    }
+
+    /// A batch committed, or a probe got through: after a failure, logged once, and health
+    /// goes `SERVING`.
+    fn succeeded(&self) {
+        let mut failing = runtime::blocking::lock(&self.failing);
+        if let Some(cause) = failing.take() {
+            tracing::info!(after = %cause, "producer database commits again: health SERVING");
+            self.serving.send_replace(true);
+        }
+    }
 }
 
 /// One queued `Advance` and where its answer goes.
@@ -291,21 +372,28 @@ impl PgStore {
             Role::Relay => RELAY_POOL,
         };
         let opened = proto::pg::open(url, &KIND, role.mode(), size).await?;
-        let writer = match role {
+        let (writer, health) = match role {
             Role::Server { max_batch, max_unaccepted } => {
                 tracing::info!(max_batch, ?max_unaccepted, "advance writer");
                 let max_batch = max_batch.max(1);
                 let (tx, rx) = mpsc::channel(max_batch.saturating_mul(4).clamp(64, 1 << 16));
                 let queue = Arc::new(tokio::sync::Mutex::new(rx));
+                let health = ServerHealth::start(opened.pool.clone());
                 for _ in 0..WRITERS {
-                    let (pool, queue, crash) = (opened.pool.clone(), Arc::clone(&queue), crash);
-                    tokio::spawn(run_writer(pool, queue, crash, max_batch, max_unaccepted));
+                    let (pool, queue, health) =
+                        (opened.pool.clone(), Arc::clone(&queue), Arc::clone(&health));
+                    tokio::spawn(run_writer(pool, queue, crash, max_batch, max_unaccepted, health));
                 }
-                Some(tx)
+                (Some(tx), Some(health))
             }
-            Role::Relay => None,
+            Role::Relay => (None, None),
         };
-        Ok(PgStore { pool: opened.pool, database_id: opened.database_id, crash, writer })
+        Ok(PgStore { pool: opened.pool, database_id: opened.database_id, crash, writer, health })
+    }
+
+    /// The server's health from its database: `false` while the server is found gone.
+    pub(super) fn serving(&self) -> Option<watch::Receiver<bool>> {
+        self.health.as_ref().map(|h| h.serving.subscribe())
     }
 
     pub(super) fn database_id(&self) -> &str {
@@ -1335,6 +1423,7 @@ async fn run_writer(
     crash: CrashSwitch,
     max_batch: usize,
     max_unaccepted: Option<u64>,
+    health: Arc<ServerHealth>,
 ) {
     let mut conn: Option<Object> = None;
     loop {
@@ -1354,7 +1443,7 @@ async fn run_writer(
         }
         let (cmds, replies): (Vec<_>, Vec<_>) = jobs.into_iter().map(|j| (j.cmd, j.reply)).unzip();
         let started = Instant::now();
-        let results = advance_batch_on(&pool, &mut conn, &cmds, &crash, max_unaccepted).await;
+        let results = advance_batch_on(&pool, &mut conn, &cmds, &crash, max_unaccepted, &health).await;
         ADVANCE_BATCHES.record_timed(cmds.len(), started);
         tracing::debug!(calls = cmds.len(), us = started.elapsed().as_micros() as u64, "advance batch");
         for (reply, result) in replies.into_iter().zip(results) {
@@ -1366,33 +1455,51 @@ async fn run_writer(
 
 /// One batch on the writer's connection (taken from the pool when there is none), run again
 /// whole after a serialization failure or deadlock. A failed batch is rolled back; a
-/// connection that cannot roll back is dropped, so the next batch starts on a new one.
+/// connection that cannot roll back is dropped, so the next batch starts on a new one. No
+/// connection, or a lost one, is reported to `health`; a batch that ran, too.
 async fn advance_batch_on(
     pool: &Pool,
     conn: &mut Option<Object>,
     cmds: &[AdvanceCommand],
     crash: &CrashSwitch,
     max_unaccepted: Option<u64>,
+    health: &ServerHealth,
 ) -> Vec<Result<AdvanceReply, StoreError>> {
     let mut attempt = 0;
     let mut check = CapCheck::AtCommit;
     loop {
+        // A connection the server closed since the last batch (a restart, an outage) is not
+        // used for this one.
+        if conn.as_ref().is_some_and(|client| client.is_closed())
+            && let Some(closed) = conn.take()
+        {
+            drop(Object::take(closed));
+        }
         let client = match conn {
             Some(client) => client,
             None => match pool.get().await {
                 Ok(client) => conn.insert(client),
-                Err(e) => return all_failed(cmds, pool_error(e).during("advance")),
+                Err(e) => {
+                    health.failed(&proto::pg::pool_error(&e));
+                    return all_failed(cmds, pool_error(e).during("advance"));
+                }
             },
         };
         match advance_batch(client, cmds, crash, max_unaccepted, check).await {
-            Ok(Some(results)) => return results,
+            Ok(Some(results)) => {
+                health.succeeded();
+                return results;
+            }
             Ok(None) => {
                 // The batch did not fit under the cap by the unlocked read or at commit:
                 // nothing of it committed; run it again deciding on the exact count.
                 check = CapCheck::Locked;
             }
             Err(e) => {
-                if client.batch_execute("ROLLBACK").await.is_err() {
+                // A connection that cannot even roll back is lost (the server went away, or
+                // ended the session).
+                let lost = client.batch_execute("ROLLBACK").await.is_err();
+                if lost {
                     if let Some(broken) = conn.take() {
                         drop(Object::take(broken));
                     }
@@ -1401,6 +1508,9 @@ async fn advance_batch_on(
                 let again = is_serialization(&e);
                 if !again || attempt > SERIALIZATION_RETRIES {
                     tracing::warn!(error = %e, calls = cmds.len(), "advance batch rolled back whole");
+                    if lost {
+                        health.failed(&e.to_string());
+                    }
                     return all_failed(cmds, e.during("advance"));
                 }
             }

@@ -403,6 +403,47 @@ async fn a_consumer_whose_postgres_database_goes_away_reports_it_and_recovers_wi
     assert_eq!(db::effects(&consumer_db).len(), 150);
 }
 
+/// The producer's PostgreSQL database goes away (every session ended, new ones refused) and
+/// comes back: `Advance` is answered `UNAVAILABLE` meanwhile, and the producer says so once,
+/// turns health `NOT_SERVING`, and returns to `SERVING` by itself (its probe), after which
+/// the same call commits. Before, health stayed `SERVING` throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_whose_postgres_database_goes_away_reports_it_in_health_and_recovers() {
+    harness::postgres_only!("ends the producer's PostgreSQL sessions and refuses new ones");
+    let Some(work) = Workdir::for_test() else { return };
+    let producer = Producer::start(&work, &[]);
+    let (admin, name) = pg_admin(&producer.db);
+    let first = producer.advance(harness::advance("A", "A1", 0, "reserved", 1)).await;
+    assert_eq!(AdvanceOutcome::try_from(first.outcome), Ok(AdvanceOutcome::Committed), "{first:?}");
+    wait_health_of(&producer.process, "ordered_events.v1.Producer", ServingStatus::Serving).await;
+
+    db::execute(&admin, &format!("ALTER DATABASE {name} WITH ALLOW_CONNECTIONS false"));
+    terminate_sessions(&admin, &name);
+    let step = || harness::advance("A", "A2", 1, "confirmed", 1);
+    let refused =
+        producer.client().await.advance(step()).await.expect_err("an Advance while the server is gone");
+    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+    wait_health_of(&producer.process, "ordered_events.v1.Producer", ServingStatus::NotServing).await;
+    let log = producer.process.log_text();
+    assert!(log.contains("producer database cannot commit"), "{log}");
+
+    db::execute(&admin, &format!("ALTER DATABASE {name} WITH ALLOW_CONNECTIONS true"));
+    wait_health_of(&producer.process, "ordered_events.v1.Producer", ServingStatus::Serving).await;
+    let log = producer.process.log_text();
+    assert!(log.contains("producer database commits again: health SERVING"), "{log}");
+    // The same call commits now; a pooled connection the outage closed may still answer it
+    // UNAVAILABLE first (retryable), never anything else.
+    let mut unavailable = 0;
+    let again = loop {
+        match producer.client().await.advance(step()).await {
+            Ok(answer) => break answer.into_inner(),
+            Err(status) if status.code() == tonic::Code::Unavailable && unavailable < 8 => unavailable += 1,
+            Err(status) => panic!("after {unavailable} UNAVAILABLE answers: {status:?}"),
+        }
+    };
+    assert_eq!(AdvanceOutcome::try_from(again.outcome), Ok(AdvanceOutcome::Committed), "{again:?}");
+}
+
 /// The producer's PostgreSQL sessions are ended again and again while clients advance flows
 /// (a server restart or a connection-killing proxy): each Advance is answered COMMITTED, or
 /// UNAVAILABLE and then retried to COMMITTED/EXISTING; the relay reconnects on its own, and
