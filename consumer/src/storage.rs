@@ -8,12 +8,11 @@
 //! applies what the failure left unapplied, so recovery needs no operator call.
 
 use std::path::PathBuf;
-use std::sync::Mutex;
-use std::time::Duration;
 
 use proto::db::OpenedFiles;
 use proto::target::DbTarget;
-use tokio::sync::{Notify, watch};
+use runtime::health::{PROBE_CAP, PROBE_FIRST, StorageHealth};
+use tokio::sync::watch;
 
 use crate::apply::{self, ApplyOptions};
 use crate::store::{ConsumerStore, StoreError};
@@ -22,10 +21,6 @@ use crate::store::{ConsumerStore, StoreError};
 /// variable names exists, every consumer commit fails as a full disk does (either backend).
 /// Used where the machine cannot mount a small filesystem to fill for real.
 pub const FAULT_ENV: &str = "ORDERED_EVENTS_FAULT_COMMIT_FAILS_WHILE";
-
-/// The first pause between recovery attempts, and its cap.
-const RETRY_FIRST: Duration = Duration::from_millis(100);
-const RETRY_CAP: Duration = Duration::from_secs(5);
 
 /// The storage state of one consumer database, shared by the writer, the appliers, the
 /// recovery task and the health service.
@@ -36,12 +31,9 @@ pub struct StorageWatch {
     /// A SQLite database file and its WAL as this process opened them (none on PostgreSQL).
     opened: OpenedFiles,
     fault: Option<PathBuf>,
-    /// The cause of the current failure, `None` while commits succeed.
-    failing: Mutex<Option<String>>,
     /// Set when auto-apply must run again over every flow (a failure may have left rows).
     apply_owed: std::sync::atomic::AtomicBool,
-    serving: watch::Sender<bool>,
-    wake: Notify,
+    health: StorageHealth,
 }
 
 impl StorageWatch {
@@ -64,10 +56,8 @@ impl StorageWatch {
             shown: target.to_string(),
             opened,
             fault,
-            failing: Mutex::new(None),
             apply_owed: std::sync::atomic::AtomicBool::new(false),
-            serving: watch::channel(true).0,
-            wake: Notify::new(),
+            health: StorageHealth::default(),
         }
     }
 
@@ -106,39 +96,32 @@ impl StorageWatch {
             return;
         }
         let cause = error.to_string();
-        let mut failing = runtime::blocking::lock(&self.failing);
-        if failing.as_deref() != Some(cause.as_str()) {
+        self.apply_owed.store(true, std::sync::atomic::Ordering::Release);
+        if self.health.failed(&cause) {
             tracing::error!(
                 db = %self.shown,
                 error = %cause,
                 "consumer database cannot commit: health NOT_SERVING, nothing is accepted or applied until it can \
                  (retried with backoff)"
             );
-            *failing = Some(cause);
         }
-        drop(failing);
-        self.apply_owed.store(true, std::sync::atomic::Ordering::Release);
-        self.serving.send_if_modified(|s| std::mem::replace(s, false));
-        self.wake.notify_one();
     }
 
     /// Reports a successful commit: after a failure, logged once, and health goes `SERVING`.
     pub fn commit_succeeded(&self) {
-        let mut failing = runtime::blocking::lock(&self.failing);
-        if let Some(cause) = failing.take() {
+        if let Some(cause) = self.health.succeeded() {
             tracing::info!(db = %self.shown, after = %cause, "consumer database commits again: health SERVING");
-            self.serving.send_replace(true);
         }
     }
 
     /// True while the last commit failed.
     pub fn is_failing(&self) -> bool {
-        runtime::blocking::lock(&self.failing).is_some()
+        self.health.is_failing()
     }
 
     /// `true` while storage commits (`SERVING`), `false` while it fails.
     pub fn serving(&self) -> watch::Receiver<bool> {
-        self.serving.subscribe()
+        self.health.serving()
     }
 
     /// Starts the recovery task (on the current runtime): while storage fails it probes
@@ -146,18 +129,18 @@ impl StorageWatch {
     /// applies every flow with unapplied rows, until a whole pass succeeds.
     pub fn spawn_recovery(&'static self, store: ConsumerStore, auto_apply: Option<ApplyOptions>) {
         tokio::spawn(async move {
-            let mut pause = RETRY_FIRST;
+            let mut pause = PROBE_FIRST;
             loop {
                 let owed = self.apply_owed.load(std::sync::atomic::Ordering::Acquire) && auto_apply.is_some();
                 if !self.is_failing() && !owed {
-                    pause = RETRY_FIRST;
-                    self.wake.notified().await;
+                    pause = PROBE_FIRST;
+                    self.health.woken().await;
                     continue;
                 }
-                if tokio::time::timeout(pause, self.wake.notified()).await.is_ok() {
+                if tokio::time::timeout(pause, self.health.woken()).await.is_ok() {
                     continue;
                 }
-                pause = (pause * 2).min(RETRY_CAP);
+                pause = (pause * 2).min(PROBE_CAP);
                 if self.is_failing() {
                     match store.probe(self).await {
                         Ok(()) => self.commit_succeeded(),

@@ -10,6 +10,7 @@ pub mod auth;
 pub mod batches;
 pub mod blocking;
 pub mod group;
+pub mod health;
 pub mod metrics;
 pub mod process;
 pub mod retention;

@@ -12,7 +12,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use deadpool_postgres::ClientWrapper as Conn;
 use deadpool_postgres::{Object, Pool};
@@ -20,8 +20,9 @@ use proto::crash::{CrashPoint, CrashSwitch};
 use proto::flow::FlowState;
 use proto::pg::{PgKind, is_retryable, is_serialization_failure};
 use proto::target::PgUrl;
+use runtime::health::{PROBE_CAP, PROBE_FIRST, StorageHealth};
 use runtime::metrics::{GaugeReader, GaugeSample};
-use tokio::sync::{Notify, mpsc, oneshot, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
@@ -278,38 +279,25 @@ pub struct PgStore {
     health: Option<Arc<ServerHealth>>,
 }
 
-/// The first pause between probes of a server that went away, and its cap.
-const PROBE_FIRST: Duration = Duration::from_millis(100);
-const PROBE_CAP: Duration = Duration::from_secs(5);
-
 /// Whether the PostgreSQL server takes the producer's commits, for gRPC health: an `Advance`
 /// batch that gets no connection, or loses its connection, turns health `NOT_SERVING`
 /// (logged once per cause); a probe task (a connection from the pool and `SELECT 1`, backing
-/// off from 100 ms to 5 s), or the next committed batch, turns it back. Callers get
-/// `UNAVAILABLE` meanwhile, as before; a load balancer also sees it in health.
-#[derive(Debug)]
-struct ServerHealth {
-    serving: watch::Sender<bool>,
-    /// The cause of the current failure, `None` while batches commit.
-    failing: std::sync::Mutex<Option<String>>,
-    wake: Notify,
-}
+/// off from [`PROBE_FIRST`] to [`PROBE_CAP`]), or the next committed batch, turns it back.
+/// Callers get `UNAVAILABLE` meanwhile, as before; a load balancer also sees it in health.
+#[derive(Debug, Default)]
+struct ServerHealth(StorageHealth);
 
 impl ServerHealth {
     /// Starts the probe task on the current runtime.
     fn start(pool: Pool) -> Arc<ServerHealth> {
-        let health = Arc::new(ServerHealth {
-            serving: watch::Sender::new(true),
-            failing: std::sync::Mutex::new(None),
-            wake: Notify::new(),
-        });
+        let health = Arc::new(ServerHealth::default());
         let probing = Arc::clone(&health);
         tokio::spawn(async move {
             let mut pause = PROBE_FIRST;
             loop {
-                if !probing.is_failing() {
+                if !probing.0.is_failing() {
                     pause = PROBE_FIRST;
-                    probing.wake.notified().await;
+                    probing.0.woken().await;
                     continue;
                 }
                 tokio::time::sleep(pause).await;
@@ -326,33 +314,23 @@ impl ServerHealth {
         health
     }
 
-    fn is_failing(&self) -> bool {
-        runtime::blocking::lock(&self.failing).is_some()
-    }
-
-    /// The server went away (no connection, or a lost one): health `NOT_SERVING`, a cause
-    /// logged when it changes, and the probe woken.
+    /// The server went away (no connection, or a lost one): `NOT_SERVING`, logged when the
+    /// cause changes.
     fn failed(&self, cause: &str) {
-        let mut failing = runtime::blocking::lock(&self.failing);
-        if failing.as_deref() != Some(cause) {
+        if self.0.failed(cause) {
             tracing::error!(
                 error = %cause,
                 "producer database cannot commit: health NOT_SERVING, every Advance is answered UNAVAILABLE \
                  until it can (probed with backoff)"
             );
-            *failing = Some(cause.to_owned());
         }
-        self.serving.send_if_modified(|s| std::mem::replace(s, false));
-        self.wake.notify_one();
     }
 
-    /// A batch committed, or a probe got through: after a failure, logged once, and health
-    /// goes `SERVING`.
+    /// A batch committed, or a probe got through: after a failure, logged once, and
+    /// `SERVING`.
     fn succeeded(&self) {
-        let mut failing = runtime::blocking::lock(&self.failing);
-        if let Some(cause) = failing.take() {
+        if let Some(cause) = self.0.succeeded() {
             tracing::info!(after = %cause, "producer database commits again: health SERVING");
-            self.serving.send_replace(true);
         }
     }
 }
@@ -393,7 +371,7 @@ impl PgStore {
 
     /// The server's health from its database: `false` while the server is found gone.
     pub(super) fn serving(&self) -> Option<watch::Receiver<bool>> {
-        self.health.as_ref().map(|h| h.serving.subscribe())
+        self.health.as_ref().map(|h| h.0.serving())
     }
 
     pub(super) fn database_id(&self) -> &str {

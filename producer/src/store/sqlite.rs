@@ -600,9 +600,8 @@ struct CompactedBatch {
 /// digest (a row of `outbox_digest`) and lose their `outbox_body` row (deleted in id order, so
 /// whole pages are freed); rows not accepted by then are passed over. The walk ends the pass
 /// at the first row committed after the cutoff: ids follow commits, and a row is accepted
-/// after its commit, so no later row is finished. Before, a pass read every body younger than
-/// the retention in its last transaction, under the write lock (a week's rows at the default
-/// retention). Reaches `producer.compact.after_batch` before a commit and
+/// after its commit, so no later row is finished. Reaches `producer.compact.after_batch`
+/// before a commit and
 /// `producer.compact.after_commit` after; a crash anywhere leaves each row whole or a
 /// tombstone.
 fn compact_batch(

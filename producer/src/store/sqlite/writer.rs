@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use proto::crash::{CrashPoint, CrashSwitch};
 use proto::db::{self, OpenedFiles, StepFailure, Steps};
+use runtime::health::StorageHealth;
 use rusqlite::Connection;
 use tokio::sync::{mpsc, oneshot, watch};
 
@@ -30,25 +31,26 @@ pub struct AdvanceJob {
 #[derive(Debug)]
 pub struct FileWatch {
     files: OpenedFiles,
-    serving: watch::Sender<bool>,
+    /// Never succeeds again once failed: nothing probes a file that is gone.
+    health: StorageHealth,
 }
 
 impl FileWatch {
     /// Watches `path` as it is now (call right after opening it).
     pub fn new(path: &Path) -> FileWatch {
-        FileWatch { files: OpenedFiles::of(path), serving: watch::Sender::new(true) }
+        FileWatch { files: OpenedFiles::of(path), health: StorageHealth::default() }
     }
 
     /// `false` once a commit was refused (for health).
     pub fn serving(&self) -> watch::Receiver<bool> {
-        self.serving.subscribe()
+        self.health.serving()
     }
 
     /// Inside the transaction, just before its commit: refuses (the caller rolls back) when
     /// the path no longer names the file opened.
     fn before_commit(&self) -> Result<(), StoreError> {
         self.files.check().map_err(|what| {
-            if self.serving.send_if_modified(|s| std::mem::replace(s, false)) {
+            if self.health.failed(&what) {
                 tracing::error!(
                     error = %what,
                     "PRODUCER DATABASE GONE under this running producer: no Advance commits any more (each is \
