@@ -1,7 +1,8 @@
 //! The load: N flows × 3 steps through `Advance`, either closed loop (C clients, each
 //! waiting for its answer before its next call) or open loop (flows started on a schedule at
 //! a given call rate, whatever the latency). Each call is retried with the same event id
-//! after a transport error, which `Advance` allows.
+//! after a transport error, which `Advance` allows. The calls go through [`crate::lean`]'s
+//! client unless `--client tonic` asks for the generated one.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -20,6 +21,35 @@ pub enum Load {
     Closed { clients: usize },
     /// Flows started so that calls arrive at `calls_per_s` on average.
     Open { calls_per_s: f64 },
+}
+
+/// Which gRPC client the callers use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Client {
+    /// One HTTP/2 stream per call on a shared `h2` connection (see `lean.rs`): the least CPU
+    /// taken from the services on the same machine.
+    Lean,
+    /// tonic's generated `ProducerClient` over a tonic `Channel`.
+    Tonic,
+}
+
+/// A caller's handle on one connection.
+#[derive(Clone)]
+enum Caller {
+    Lean(crate::lean::Connection),
+    Tonic(ProducerClient<Channel>),
+}
+
+impl Caller {
+    async fn advance(&mut self, req: &pb::AdvanceRequest) -> Result<pb::AdvanceResponse, String> {
+        match self {
+            Caller::Lean(connection) => connection.advance(req).await,
+            Caller::Tonic(client) => {
+                client.advance(req.clone()).await.map(tonic::Response::into_inner).map_err(|s| s.to_string())
+            }
+        }
+    }
 }
 
 /// What the callers saw.
@@ -48,24 +78,29 @@ pub fn flow_id(prefix: &str, k: usize) -> String {
     format!("{prefix}{k:07}")
 }
 
-async fn channels(url: &str, n: usize) -> anyhow::Result<Vec<Channel>> {
+async fn connect(client: Client, url: &str, n: usize) -> anyhow::Result<Vec<Caller>> {
     let mut out = Vec::with_capacity(n);
     for _ in 0..n.max(1) {
-        out.push(Channel::from_shared(url.to_owned())?.connect().await?);
+        out.push(match client {
+            Client::Lean => Caller::Lean(crate::lean::Connection::connect(url).await?),
+            Client::Tonic => {
+                Caller::Tonic(ProducerClient::new(Channel::from_shared(url.to_owned())?.connect().await?))
+            }
+        });
     }
     Ok(out)
 }
 
 /// One flow's three steps, back to back.
-async fn drive_flow(mut client: ProducerClient<Channel>, flow: String) -> LoadResult {
+async fn drive_flow(mut caller: Caller, flow: String) -> LoadResult {
     let mut r = LoadResult::default();
     for (i, kind) in KINDS.iter().enumerate() {
         let req = harness::advance(&flow, &format!("{flow}-{}", i + 1), i as u64, kind, 1);
         let started = Instant::now();
         let mut attempt = 0;
         let answer = loop {
-            match client.advance(req.clone()).await {
-                Ok(answer) => break Ok(answer.into_inner()),
+            match caller.advance(&req).await {
+                Ok(answer) => break Ok(answer),
                 Err(status) if attempt >= RETRIES => break Err(status),
                 Err(_) => {
                     attempt += 1;
@@ -110,11 +145,12 @@ pub async fn drive(
     flows: usize,
     load: Load,
     connections: usize,
+    client: Client,
 ) -> anyhow::Result<LoadResult> {
     // `connections` to each producer; callers take them in turn, so the load is spread.
     let mut channels = Vec::new();
     for url in urls {
-        channels.extend(self::channels(url, connections).await?);
+        channels.extend(connect(client, url, connections).await?);
     }
     let mut total = LoadResult { first_send_us: now_us(), ..LoadResult::default() };
     match load {
@@ -122,7 +158,7 @@ pub async fn drive(
             let next = Arc::new(AtomicUsize::new(0));
             let workers: Vec<_> = (0..clients.max(1))
                 .map(|c| {
-                    let client = ProducerClient::new(channels[c % channels.len()].clone());
+                    let caller = channels[c % channels.len()].clone();
                     let next = Arc::clone(&next);
                     let prefix = prefix.to_owned();
                     tokio::spawn(async move {
@@ -132,7 +168,7 @@ pub async fn drive(
                             if k >= flows {
                                 return mine;
                             }
-                            let part = drive_flow(client.clone(), flow_id(&prefix, k)).await;
+                            let part = drive_flow(caller.clone(), flow_id(&prefix, k)).await;
                             merge(&mut mine, part);
                         }
                     })
@@ -152,8 +188,8 @@ pub async fn drive(
                 tokio::time::sleep_until(due.into()).await;
                 let lag = Instant::now().saturating_duration_since(due).as_secs_f64() * 1e3;
                 total.max_start_lag_ms = total.max_start_lag_ms.max(lag);
-                let client = ProducerClient::new(channels[k % channels.len()].clone());
-                tasks.push(tokio::spawn(drive_flow(client, flow_id(prefix, k))));
+                let caller = channels[k % channels.len()].clone();
+                tasks.push(tokio::spawn(drive_flow(caller, flow_id(prefix, k))));
             }
             for task in tasks {
                 merge(&mut total, task.await?);

@@ -7,6 +7,7 @@
 //! `cargo build --release --bins`.
 
 mod callgrind;
+mod lean;
 mod load;
 mod measure;
 mod measure_pg;
@@ -49,6 +50,11 @@ struct Args {
     /// gRPC connections the callers share.
     #[arg(long, default_value_t = 2)]
     connections: usize,
+    /// The callers' gRPC client: `lean` (one HTTP/2 stream per call on an `h2` connection,
+    /// the least CPU taken from the services sharing the machine) or `tonic` (the generated
+    /// client, as runs before 2026-12-07 used).
+    #[arg(long, value_enum, default_value_t = load::Client::Lean)]
+    client: load::Client,
     /// Open loop for the main run: start flows so that Advance calls arrive at this many per
     /// second on average, whatever their latency.
     #[arg(long, value_name = "CALLS_PER_S")]
@@ -281,6 +287,7 @@ fn args_json(args: &Args) -> Value {
         "flows": args.flows(),
         "clients": args.clients,
         "connections": args.connections,
+        "client": args.client,
         "rate": args.rate,
         "half_rate": args.half_rate,
         "compare_batch_1": args.compare_batch_1,
@@ -364,7 +371,9 @@ async fn run_one(args: &Args, base: &std::path::Path, spec: &RunSpec) -> anyhow:
         })
     });
     let bench_cpu_before = pipeline::proc_stats("self").cpu_seconds;
-    let load = load::drive(&pipeline.producer_urls(), "f", spec.flows, spec.load, args.connections).await?;
+    let load =
+        load::drive(&pipeline.producer_urls(), "f", spec.flows, spec.load, args.connections, args.client)
+            .await?;
     anyhow::ensure!(
         load.unexpected.is_empty(),
         "{}: {} Advance calls were not committed, e.g. {:?}",
@@ -383,6 +392,10 @@ async fn run_one(args: &Args, base: &std::path::Path, spec: &RunSpec) -> anyhow:
         })
         .await??;
     }
+    // This process drives every run: its CPU from the first call until the last event was
+    // applied, not the reading of the tables afterwards (the services are stopped by then).
+    let mut bench_clients = pipeline::proc_stats("self");
+    bench_clients.cpu_seconds -= bench_cpu_before;
     let server_cpu_seconds = match (&pg, server_cpu_before) {
         (Some(db), Some(before)) => {
             let (url, name) = (db.url().to_owned(), db.name().to_owned());
@@ -454,7 +467,7 @@ async fn run_one(args: &Args, base: &std::path::Path, spec: &RunSpec) -> anyhow:
         stopped,
         files,
         kept,
-        bench_cpu_before,
+        bench_clients,
     );
     if let Some(instructions) = instructions {
         run["callgrind"] = instructions;

@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 use crate::Args;
 use crate::load::{Load, LoadResult};
 use crate::measure::{Percentiles, Tables, percentiles};
-use crate::pipeline::{Caps, Stopped, proc_stats};
+use crate::pipeline::{Caps, ProcStats, Stopped};
 
 /// The machine and the moment, taken before the first run (the load average says how busy
 /// the shared machine already was).
@@ -107,15 +107,12 @@ pub fn run_json(
     stopped: Stopped,
     files: Value,
     kept: Option<PathBuf>,
-    bench_cpu_before: f64,
+    bench_clients: ProcStats,
 ) -> Value {
     let events = flows as u64 * 3;
     let e2e = rate(events, driven.first_send_us, tables.applied.last_us);
     let stage = |s: &crate::measure::Stage| json!({"events": s.events, "events_per_s": s.events_per_s.round(), "first_us": s.first_us, "last_us": s.last_us});
     let advance_latency = percentiles(driven.latencies_us.iter().map(|&v| i64::from(v)).collect());
-    // This process drives every run: count only the CPU time it spent during this one.
-    let mut bench_self = proc_stats("self");
-    bench_self.cpu_seconds -= bench_cpu_before;
     let proc = |p: &crate::pipeline::ProcStats| json!({"pid": p.pid, "peak_rss_mib": round(p.peak_rss_mib), "cpu_seconds": round(p.cpu_seconds), "cpu_us_per_event": (p.cpu_seconds * 1e6 / events as f64).round()});
     json!({
         "label": label,
@@ -125,6 +122,7 @@ pub fn run_json(
             "events": events,
             "load": load,
             "connections": args.connections,
+            "client": args.client,
             "caps": caps,
             "consumer_auto_apply": true,
             "relay_mode": "run",
@@ -159,7 +157,7 @@ pub fn run_json(
             "including_bench_clients": ((stopped.producer.cpu_seconds
                 + stopped.consumer.cpu_seconds
                 + stopped.relay.cpu_seconds
-                + bench_self.cpu_seconds)
+                + bench_clients.cpu_seconds)
                 * 1e6
                 / events as f64)
                 .round(),
@@ -174,7 +172,7 @@ pub fn run_json(
             "producer": proc(&stopped.producer),
             "consumer": proc(&stopped.consumer),
             "relay": proc(&stopped.relay),
-            "bench_clients": proc(&bench_self),
+            "bench_clients": proc(&bench_clients),
         },
         "databases": {
             "producer.db": {
