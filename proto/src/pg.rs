@@ -8,9 +8,11 @@
 //! Schema creation and upgrades run in one transaction under a transaction-level advisory
 //! lock, so several processes starting at once on one empty database create it once.
 
-use std::time::Duration;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use deadpool_postgres::{Hook, HookError, Manager, ManagerConfig, Pool, RecyclingMethod};
 use tokio_postgres::NoTls;
 
 use crate::db::OpenMode;
@@ -343,6 +345,10 @@ fn pool(url: &PgUrl, kind: &PgKind, size: usize) -> Result<Pool, PgError> {
         }
     };
     Pool::builder(manager)
+        .pre_recycle(Hook::sync_fn(|_, metrics| match opened_before_writes_were_refused(metrics.created) {
+            true => Err(HookError::message("opened before the server refused a write")),
+            false => Ok(()),
+        }))
         .max_size(size.max(1))
         .wait_timeout(Some(CONNECT_TIMEOUT))
         .create_timeout(Some(CONNECT_TIMEOUT))
@@ -373,8 +379,50 @@ pub async fn effective(client: &tokio_postgres::Client) -> Result<Effective, tok
     })
 }
 
+/// What [`describe`] says for SQLSTATE 25006 (`read_only_sql_transaction`), whatever the
+/// statement: one cause, so a process logs a read-only server once, not once per statement.
+pub const READ_ONLY: &str = "25006: the server takes no writes (its sessions are read-only: a standby, \
+     e.g. after a failover, or default_transaction_read_only is on)";
+
+/// When a session was last found read-only (nanoseconds after [`refusals_epoch`]; 0: never).
+static WRITES_REFUSED_AT: AtomicU64 = AtomicU64::new(0);
+
+fn refusals_epoch() -> Instant {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+/// Records that a session of this process was found read-only. A read-only session stays
+/// read-only (a standby's, or one opened while `default_transaction_read_only` was on), so
+/// every pooled session opened before now is closed at its next checkout instead of being
+/// handed out again (the pools' `pre_recycle` hook): once the server, or the one the address
+/// now leads to, takes writes again, new sessions reach it.
+pub fn note_writes_refused() {
+    let at = refusals_epoch().elapsed().as_nanos().max(1);
+    WRITES_REFUSED_AT.fetch_max(u64::try_from(at).unwrap_or(u64::MAX), Ordering::Relaxed);
+}
+
+fn opened_before_writes_were_refused(created: Instant) -> bool {
+    match WRITES_REFUSED_AT.load(Ordering::Relaxed) {
+        0 => false,
+        at => created <= refusals_epoch() + Duration::from_nanos(at),
+    }
+}
+
+/// True when `e` is the server refusing a write because the session is read-only (SQLSTATE
+/// 25006); then also [`note_writes_refused`].
+pub fn refuses_writes(e: &tokio_postgres::Error) -> bool {
+    let read_only = e.code() == Some(&tokio_postgres::error::SqlState::READ_ONLY_SQL_TRANSACTION);
+    if read_only {
+        note_writes_refused();
+    }
+    read_only
+}
+
 /// SQLSTATE classes a caller may retry: the server or connection went away (08, 57P01-03),
-/// a serialization failure or deadlock (40001, 40P01), too many connections (53300).
+/// a serialization failure or deadlock (40001, 40P01), too many connections (53300), a
+/// session that takes no writes (25006: a standby after a failover; new sessions may reach
+/// a primary, see [`note_writes_refused`]).
 pub fn is_retryable(e: &tokio_postgres::Error) -> bool {
     if e.is_closed() {
         return true;
@@ -390,6 +438,7 @@ pub fn is_retryable(e: &tokio_postgres::Error) -> bool {
         || code == "40P01"
         || code == "53300"
         || code == "55P03"
+        || code == "25006"
 }
 
 /// True for a serialization failure or deadlock: the transaction can be run again as is.
@@ -410,6 +459,9 @@ pub fn pool_error(e: &deadpool_postgres::PoolError) -> String {
 /// them (the client's own `Display` says only "db error").
 pub fn describe(e: &tokio_postgres::Error) -> String {
     match e.as_db_error() {
+        Some(db) if db.code() == &tokio_postgres::error::SqlState::READ_ONLY_SQL_TRANSACTION => {
+            READ_ONLY.to_owned()
+        }
         Some(db) => {
             let mut text = format!("{}: {}", db.code().code(), db.message());
             if let Some(detail) = db.detail() {
@@ -626,6 +678,15 @@ mod tests {
             Ok(DbTarget::Postgres(url)) => url,
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn a_refused_write_retires_the_sessions_opened_before_it() {
+        let before = Instant::now();
+        note_writes_refused();
+        let after = Instant::now() + Duration::from_millis(1);
+        assert!(opened_before_writes_were_refused(before));
+        assert!(!opened_before_writes_were_refused(after));
     }
 
     #[test]

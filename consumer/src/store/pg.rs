@@ -521,7 +521,9 @@ fn classify(e: &tokio_postgres::Error) -> StoreError {
         StoreError::Aborted(text)
     } else if code == "55P03" {
         StoreError::Busy(text)
-    } else if proto::pg::is_retryable(e) {
+    } else if proto::pg::refuses_writes(e) || proto::pg::is_retryable(e) {
+        // A read-only session (a standby after a failover) is noted, so the pool replaces the
+        // sessions opened before, and retryable.
         StoreError::Unavailable(text)
     } else if code.starts_with("23") || code == "P0001" {
         StoreError::Refused(text)

@@ -255,7 +255,9 @@ impl From<tokio_postgres::Error> for StoreError {
     /// anything else (a constraint, a user's trigger raising) is a storage failure.
     fn from(e: tokio_postgres::Error) -> StoreError {
         let detail = proto::pg::describe(&e);
-        if is_retryable(&e) {
+        // A read-only session (a standby after a failover) is noted, so the pool replaces
+        // the sessions opened before, and retryable.
+        if proto::pg::refuses_writes(&e) || is_retryable(&e) {
             StoreError::Unavailable { what: "postgres", detail }
         } else {
             StoreError::Storage { what: "postgres", detail }
@@ -280,9 +282,10 @@ pub struct PgStore {
 }
 
 /// Whether the PostgreSQL server takes the producer's commits, for gRPC health: an `Advance`
-/// batch that gets no connection, or loses its connection, turns health `NOT_SERVING`
-/// (logged once per cause); a probe task (a connection from the pool and `SELECT 1`, backing
-/// off from [`PROBE_FIRST`] to [`PROBE_CAP`]), or the next committed batch, turns it back.
+/// batch that gets no connection, loses its connection, or finds it read-only (a standby),
+/// turns health `NOT_SERVING` (logged once per cause); a probe task (a connection from the
+/// pool that is not read-only, backing off from [`PROBE_FIRST`] to [`PROBE_CAP`]), or the
+/// next committed batch, turns it back.
 /// Callers get `UNAVAILABLE` meanwhile, as before; a load balancer also sees it in health.
 #[derive(Debug, Default)]
 struct ServerHealth(StorageHealth);
@@ -303,8 +306,12 @@ impl ServerHealth {
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(PROBE_CAP);
                 match pool.get().await {
-                    Ok(client) => match client.simple_query("SELECT 1").await {
-                        Ok(_) => probing.succeeded(),
+                    Ok(client) => match writable(&client).await {
+                        Ok(true) => probing.succeeded(),
+                        Ok(false) => {
+                            proto::pg::note_writes_refused();
+                            probing.failed(proto::pg::READ_ONLY);
+                        }
                         Err(e) => probing.failed(&proto::pg::describe(&e)),
                     },
                     Err(e) => probing.failed(&proto::pg::pool_error(&e)),
@@ -314,8 +321,8 @@ impl ServerHealth {
         health
     }
 
-    /// The server went away (no connection, or a lost one): `NOT_SERVING`, logged when the
-    /// cause changes.
+    /// The server went away (no connection, or a lost one) or takes no writes:
+    /// `NOT_SERVING`, logged when the cause changes.
     fn failed(&self, cause: &str) {
         if self.0.failed(cause) {
             tracing::error!(
@@ -333,6 +340,14 @@ impl ServerHealth {
             tracing::info!(after = %cause, "producer database commits again: health SERVING");
         }
     }
+}
+
+/// Whether `client`'s session may write: not a standby's, nor opened read-only by default.
+async fn writable(client: &Object) -> Result<bool, tokio_postgres::Error> {
+    let rows = client.simple_query("SELECT current_setting('transaction_read_only')").await?;
+    Ok(!rows
+        .iter()
+        .any(|m| matches!(m, tokio_postgres::SimpleQueryMessage::Row(row) if row.get(0) == Some("on"))))
 }
 
 /// One queued `Advance` and where its answer goes.
@@ -1317,6 +1332,11 @@ fn is_serialization(e: &StoreError) -> bool {
     matches!(e, StoreError::Unavailable { detail, .. } if detail.starts_with("40001") || detail.starts_with("40P01"))
 }
 
+/// A statement refused because the session is read-only ([`proto::pg::READ_ONLY`]).
+fn is_read_only(e: &StoreError) -> bool {
+    matches!(e, StoreError::Unavailable { detail, .. } if detail.starts_with("25006"))
+}
+
 fn corrupt(e: tokio_postgres::Error) -> StoreError {
     StoreError::Corrupt(e.to_string())
 }
@@ -1475,8 +1495,9 @@ async fn advance_batch_on(
             }
             Err(e) => {
                 // A connection that cannot even roll back is lost (the server went away, or
-                // ended the session).
-                let lost = client.batch_execute("ROLLBACK").await.is_err();
+                // ended the session); a read-only one stays read-only (a standby's).
+                let read_only = is_read_only(&e);
+                let lost = read_only || client.batch_execute("ROLLBACK").await.is_err();
                 if lost {
                     if let Some(broken) = conn.take() {
                         drop(Object::take(broken));
@@ -1486,7 +1507,9 @@ async fn advance_batch_on(
                 let again = is_serialization(&e);
                 if !again || attempt > SERIALIZATION_RETRIES {
                     tracing::warn!(error = %e, calls = cmds.len(), "advance batch rolled back whole");
-                    if lost {
+                    if read_only {
+                        health.failed(proto::pg::READ_ONLY);
+                    } else if lost {
                         health.failed(&e.to_string());
                     }
                     return all_failed(cmds, e.during("advance"));

@@ -444,6 +444,81 @@ async fn a_producer_whose_postgres_database_goes_away_reports_it_in_health_and_r
     assert_eq!(AdvanceOutcome::try_from(again.outcome), Ok(AdvanceOutcome::Committed), "{again:?}");
 }
 
+/// How many lines of `log` say that `who`'s database cannot commit because it is read-only
+/// (the test's ending of sessions may be said first, as a cause of its own).
+fn said_read_only(log: &str, who: &str) -> usize {
+    let cannot = format!("{who} database cannot commit");
+    log.lines().filter(|l| l.contains(&cannot) && l.contains("the server takes no writes")).count()
+}
+
+/// The consumer's and then the producer's PostgreSQL databases turn read-only under a running
+/// pipeline (as when their address leads to a standby after a failover: every new session is
+/// read-only) and then take writes again, without any session being ended. While read-only,
+/// each process says so once, naming the cause, and reports `NOT_SERVING`; `Advance` is
+/// answered `UNAVAILABLE` (the caller did nothing wrong and may retry), never `INTERNAL`; the
+/// relay waits. Afterwards both return to `SERVING` by themselves (their probes open new
+/// sessions instead of asking the read-only ones again), the refused call commits, and
+/// every committed event is applied once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn databases_that_turn_read_only_under_the_pipeline_are_reported_and_then_written_again() {
+    harness::postgres_only!("makes the producer's and the consumer's PostgreSQL databases read-only");
+    let Some(mut work) = Workdir::for_test() else { return };
+    let producer = Producer::start(&work, &[]);
+    let (admin, producer_name) = pg_admin(&producer.db);
+    let consumer_db = work.other_db("consumer");
+    let (_, consumer_name) = pg_admin(&consumer_db);
+    let consumer = start_consumer(&consumer_db, "127.0.0.1:0", work.path("consumer.log"), &[]);
+    let daemon = relay(&work, &producer, &consumer.process.url());
+    commit_flows(&producer, "before", 5).await;
+    wait_every_event_applied_once(&producer.db, &consumer_db, &daemon, &consumer);
+    wait_health(&consumer, ServingStatus::Serving).await;
+    let read_only = |name: &str| {
+        db::execute(&admin, &format!("ALTER DATABASE {name} SET default_transaction_read_only = on"));
+        terminate_sessions(&admin, name);
+    };
+
+    // The consumer's database first: what the relay delivers cannot be stored.
+    read_only(&consumer_name);
+    commit_flows(&producer, "during", 10).await;
+    wait_health(&consumer, ServingStatus::NotServing).await;
+    let log = consumer.process.log_text();
+    assert_eq!(said_read_only(&log, "consumer"), 1, "{log}");
+
+    // Then the producer's: every Advance is refused as unavailable.
+    read_only(&producer_name);
+    let step = || harness::advance("late", "late-1", 0, "reserved", 1);
+    for _ in 0..3 {
+        let refused = producer.client().await.advance(step()).await.expect_err("an Advance while read-only");
+        assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+    }
+    wait_health_of(&producer.process, "ordered_events.v1.Producer", ServingStatus::NotServing).await;
+    let log = producer.process.log_text();
+    assert_eq!(said_read_only(&log, "producer"), 1, "{log}");
+
+    // Writable again; the read-only sessions are left as they are.
+    for name in [&producer_name, &consumer_name] {
+        db::execute(&admin, &format!("ALTER DATABASE {name} RESET default_transaction_read_only"));
+    }
+    wait_health_of(&producer.process, "ordered_events.v1.Producer", ServingStatus::Serving).await;
+    wait_health(&consumer, ServingStatus::Serving).await;
+    let mut unavailable = 0;
+    let again = loop {
+        match producer.client().await.advance(step()).await {
+            Ok(answer) => break answer.into_inner(),
+            Err(status) if status.code() == tonic::Code::Unavailable && unavailable < 8 => unavailable += 1,
+            Err(status) => panic!("after {unavailable} UNAVAILABLE answers: {status:?}"),
+        }
+    };
+    assert_eq!(AdvanceOutcome::try_from(again.outcome), Ok(AdvanceOutcome::Committed), "{again:?}");
+    for r in producer.advance_steps("late", 1, &[1, 1]).await {
+        assert_eq!(AdvanceOutcome::try_from(r.outcome), Ok(AdvanceOutcome::Committed), "{r:?}");
+    }
+    wait_every_event_applied_once(&producer.db, &consumer_db, &daemon, &consumer);
+    assert_eq!(db::effects(&consumer_db).len(), 3 * 16);
+    let log = consumer.process.log_text();
+    assert!(log.contains("consumer database commits again: health SERVING"), "{log}");
+}
+
 /// The producer's PostgreSQL sessions are ended again and again while clients advance flows
 /// (a server restart or a connection-killing proxy): each Advance is answered COMMITTED, or
 /// UNAVAILABLE and then retried to COMMITTED/EXISTING; the relay reconnects on its own, and
