@@ -456,8 +456,9 @@ fn said_read_only(log: &str, who: &str) -> usize {
 /// read-only) and then take writes again, without any session being ended. While read-only,
 /// each process says so once, naming the cause, and reports `NOT_SERVING`; `Advance` is
 /// answered `UNAVAILABLE` (the caller did nothing wrong and may retry), never `INTERNAL`; the
-/// relay waits. Afterwards both return to `SERVING` by themselves (their probes open new
-/// sessions instead of asking the read-only ones again), the refused call commits, and
+/// relay waits, and cannot record answers in the read-only producer database. Afterwards
+/// each returns to `SERVING` by itself (their probes open new sessions instead of asking the
+/// read-only ones again), the relay records what it could not, the refused call commits, and
 /// every committed event is applied once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn databases_that_turn_read_only_under_the_pipeline_are_reported_and_then_written_again() {
@@ -495,12 +496,25 @@ async fn databases_that_turn_read_only_under_the_pipeline_are_reported_and_then_
     let log = producer.process.log_text();
     assert_eq!(said_read_only(&log, "producer"), 1, "{log}");
 
-    // Writable again; the read-only sessions are left as they are.
-    for name in [&producer_name, &consumer_name] {
+    // The consumer's database writable again (its read-only sessions left as they are): it
+    // stores and applies what was committed meanwhile, and the relay cannot record that in
+    // the read-only producer database: those rows stay unaccepted, to be marked later.
+    let writable = |name: &str| {
         db::execute(&admin, &format!("ALTER DATABASE {name} RESET default_transaction_read_only"));
-    }
-    wait_health_of(&producer.process, "ordered_events.v1.Producer", ServingStatus::Serving).await;
+    };
+    writable(&consumer_name);
     wait_health(&consumer, ServingStatus::Serving).await;
+    wait_for(
+        DEADLINE,
+        || (db::effects(&consumer_db).len() == 3 * 15).then_some(()),
+        || format!("effects {}; relay log:\n{}", db::effects(&consumer_db).len(), daemon.log_text()),
+    );
+    let unaccepted = db::outbox(&producer.db).iter().filter(|r| !r.accepted).count();
+    assert_eq!(unaccepted, 3 * 10, "the 'during' rows stay unaccepted while producer.db is read-only");
+
+    // Then the producer's: it serves again by itself, and the relay records the answers.
+    writable(&producer_name);
+    wait_health_of(&producer.process, "ordered_events.v1.Producer", ServingStatus::Serving).await;
     let mut unavailable = 0;
     let again = loop {
         match producer.client().await.advance(step()).await {
