@@ -7,20 +7,13 @@
 //! commit), and while storage fails a recovery task probes it and, in auto-apply mode,
 //! applies what the failure left unapplied, so recovery needs no operator call.
 
-use std::path::PathBuf;
-
-use proto::db::OpenedFiles;
+use proto::db::{CommitFault, OpenedFiles};
 use proto::target::DbTarget;
 use runtime::health::{PROBE_CAP, PROBE_FIRST, StorageHealth};
 use tokio::sync::watch;
 
 use crate::apply::{self, ApplyOptions};
 use crate::store::{ConsumerStore, StoreError};
-
-/// Test hook, armed only through the environment like crash points: while the file this
-/// variable names exists, every consumer commit fails as a full disk does (either backend).
-/// Used where the machine cannot mount a small filesystem to fill for real.
-pub const FAULT_ENV: &str = "ORDERED_EVENTS_FAULT_COMMIT_FAILS_WHILE";
 
 /// The storage state of one consumer database, shared by the writer, the appliers, the
 /// recovery task and the health service.
@@ -30,7 +23,8 @@ pub struct StorageWatch {
     shown: String,
     /// A SQLite database file and its WAL as this process opened them (none on PostgreSQL).
     opened: OpenedFiles,
-    fault: Option<PathBuf>,
+    /// The test hook that fails commits ([`proto::db::COMMIT_FAULT_ENV`]).
+    fault: CommitFault,
     /// Set when auto-apply must run again over every flow (a failure may have left rows).
     apply_owed: std::sync::atomic::AtomicBool,
     health: StorageHealth,
@@ -40,14 +34,7 @@ impl StorageWatch {
     /// For a SQLite target, records the identity of the file and its `-wal` as opened now
     /// (call right after the connection is open); reads the fault hook from the environment.
     pub fn new(target: &DbTarget) -> StorageWatch {
-        let fault = std::env::var_os(FAULT_ENV).filter(|v| !v.is_empty()).map(PathBuf::from);
-        if let Some(fault) = &fault {
-            tracing::warn!(
-                env = FAULT_ENV,
-                while_exists = %fault.display(),
-                "FAULT INJECTION ARMED: consumer database commits fail while this file exists"
-            );
-        }
+        let fault = CommitFault::from_env("consumer");
         let opened = match target {
             DbTarget::Sqlite(path) => OpenedFiles::of(path),
             DbTarget::Postgres(_) => OpenedFiles::default(),
@@ -77,15 +64,7 @@ impl StorageWatch {
                  a new database lacks)"
             ))
         })?;
-        if let Some(fault) = &self.fault
-            && fault.exists()
-        {
-            return Err(StoreError::Failed(format!(
-                "database or disk is full (injected: {} exists)",
-                fault.display()
-            )));
-        }
-        Ok(())
+        self.fault.check().map_err(StoreError::Failed)
     }
 
     /// Reports a failed commit or write. Busy is contention, not a storage failure, and is

@@ -227,6 +227,41 @@ pub fn open(path: &Path, kind: &DbKind, mode: OpenMode) -> Result<Connection, Db
     Ok(conn)
 }
 
+/// Test hook, armed only through the environment like crash points: while the file this
+/// variable names exists, every commit of the process's own database fails as a full disk
+/// does (the consumer on either backend, the producer on SQLite). Used where the machine
+/// cannot mount a small filesystem to fill for real.
+pub const COMMIT_FAULT_ENV: &str = "ORDERED_EVENTS_FAULT_COMMIT_FAILS_WHILE";
+
+/// The [`COMMIT_FAULT_ENV`] hook as this process read it at start (`None`: not armed).
+#[derive(Clone, Debug, Default)]
+pub struct CommitFault(Option<PathBuf>);
+
+impl CommitFault {
+    /// Reads the hook from the environment; when armed, says so loudly (`who`: the process).
+    pub fn from_env(who: &str) -> CommitFault {
+        let fault = std::env::var_os(COMMIT_FAULT_ENV).filter(|v| !v.is_empty()).map(PathBuf::from);
+        if let Some(fault) = &fault {
+            tracing::warn!(
+                env = COMMIT_FAULT_ENV,
+                while_exists = %fault.display(),
+                "FAULT INJECTION ARMED: {who} database commits fail while this file exists"
+            );
+        }
+        CommitFault(fault)
+    }
+
+    /// `Err` with a full disk's words (naming the hook) while the armed hook's file exists.
+    pub fn check(&self) -> Result<(), String> {
+        match &self.0 {
+            Some(fault) if fault.exists() => {
+                Err(format!("database or disk is full (injected: {} exists)", fault.display()))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
 /// A database file and its WAL as a process opened them (device and inode), to tell before a
 /// commit whether the path still names them. A file deleted or replaced under a running
 /// process is otherwise written through its unlinked inode, and whatever the process commits

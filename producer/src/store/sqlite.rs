@@ -316,6 +316,7 @@ impl SqliteStore {
                 let files = Arc::new(writer::FileWatch::new(path));
                 let jobs =
                     writer::spawn(Arc::clone(&conn), crash, max_batch, max_unaccepted, Arc::clone(&files))?;
+                writer::spawn_prober(Arc::clone(&conn), Arc::clone(&files));
                 (Some(jobs), Some(files))
             }
             Role::Relay => (None, None),
@@ -323,8 +324,8 @@ impl SqliteStore {
         Ok(SqliteStore { conn, path: path.to_owned(), crash, writer, files })
     }
 
-    /// The server's health from its storage: `false` once producer.db was found deleted or
-    /// replaced under it.
+    /// The server's health from its storage: `false` while commits fail, and once producer.db
+    /// was found deleted or replaced under it.
     pub(super) fn serving(&self) -> Option<tokio::sync::watch::Receiver<bool>> {
         self.files.as_ref().map(|f| f.serving())
     }

@@ -153,6 +153,13 @@ impl Fault {
         }
     }
 
+    fn producer_db(&self, work: &Workdir) -> Target {
+        match self {
+            Fault::Tmpfs { mount, .. } => mount.join("producer.db").into(),
+            Fault::Hook { .. } => work.producer_db(),
+        }
+    }
+
     fn env(&self) -> Vec<(&'static str, String)> {
         match self {
             Fault::Tmpfs { .. } => Vec::new(),
@@ -246,6 +253,77 @@ async fn a_consumer_whose_storage_fills_up_reports_it_and_recovers_without_losin
     let log = consumer.process.log_text();
     assert!(log.contains("consumer database commits again: health SERVING"), "{log}");
     assert_eq!(db::effects(&consumer_db).len(), 150);
+}
+
+/// producer.db's storage fills up and then has room again: every `Advance` meanwhile is
+/// answered `INTERNAL` naming the full disk, with nothing of it written; the producer logs
+/// the failing commits once per cause and reports `NOT_SERVING`, and returns to `SERVING` by
+/// itself once it can commit (its probe writes a row: no caller has to try first). The
+/// refused step then commits, and every event is delivered and applied once. Before, health
+/// stayed `SERVING` throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_whose_storage_fills_up_reports_it_in_health_and_recovers() {
+    harness::sqlite_only!(
+        "fills the file system under producer.db (a small tmpfs, or the SQLite store's commit-failure hook)"
+    );
+    let Some(work) = Workdir::for_test() else { return };
+    let fault = Fault::prepare(&work);
+    let producer_db = fault.producer_db(&work);
+    let env = fault.env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let producer = Producer::start_on(producer_db.clone(), work.path("producer.log"), &env);
+    let consumer = start_consumer(&work.consumer_db(), "127.0.0.1:0", work.path("consumer.log"), &[]);
+    let daemon = relay(&work, &producer, &consumer.process.url());
+    commit_flows(&producer, "before", 5).await;
+    wait_every_event_applied_once(&producer.db, &consumer.db, &daemon, &consumer);
+    let service = "ordered_events.v1.Producer";
+    wait_health_of(&producer.process, service, ServingStatus::Serving).await;
+
+    // Whole flows until a step is refused (at once with the hook; on the tmpfs, once the
+    // WAL must grow).
+    fault.start();
+    let mut client = producer.client().await;
+    let mut refused = None;
+    'flows: for i in 0..2000 {
+        let flow = format!("during{i}");
+        for (seq, kind) in ["reserved", "confirmed", "released"].iter().enumerate() {
+            let req = harness::advance(&flow, &format!("{flow}-{}", seq + 1), seq as u64, kind, 1);
+            match client.advance(req.clone()).await {
+                Ok(answer) => {
+                    let outcome = AdvanceOutcome::try_from(answer.into_inner().outcome);
+                    assert_eq!(outcome, Ok(AdvanceOutcome::Committed), "{flow} seq {seq}");
+                }
+                Err(status) => {
+                    assert_eq!(status.code(), tonic::Code::Internal, "{status:?}");
+                    assert!(status.message().contains("disk is full"), "{status:?}");
+                    refused = Some((flow, seq, req));
+                    break 'flows;
+                }
+            }
+        }
+    }
+    let (flow, seq, req) = refused.expect("a step refused while the file system is full");
+    wait_health_of(&producer.process, service, ServingStatus::NotServing).await;
+    let log = producer.process.log_text();
+    let failing = log.matches("producer database cannot commit").count();
+    assert!(failing >= 1, "{log}");
+    if let Fault::Hook { .. } = fault {
+        // One cause, one line, however often the probe and the callers tried.
+        assert_eq!(failing, 1, "{log}");
+    }
+
+    // Room again: health returns with no call made, and the refused step commits.
+    fault.stop();
+    wait_health_of(&producer.process, service, ServingStatus::Serving).await;
+    let log = producer.process.log_text();
+    assert!(log.contains("producer database commits again: health SERVING"), "{log}");
+    assert!(!db::outbox(&producer.db).iter().any(|r| r.event_id == req.event_id), "{flow} seq {seq} written");
+    let answer = client.advance(req).await.expect("the refused step, after the fault").into_inner();
+    assert_eq!(AdvanceOutcome::try_from(answer.outcome), Ok(AdvanceOutcome::Committed), "{answer:?}");
+    for r in producer.advance_steps(&flow, seq + 1, &vec![1; 2 - seq]).await {
+        assert_eq!(AdvanceOutcome::try_from(r.outcome), Ok(AdvanceOutcome::Committed), "{r:?}");
+    }
+    wait_every_event_applied_once(&producer.db, &consumer.db, &daemon, &consumer);
 }
 
 /// consumer.db deleted under a running consumer: it stops accepting and says why instead of

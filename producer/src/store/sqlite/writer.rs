@@ -4,11 +4,12 @@
 //! every call only after the commit that holds it.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use proto::crash::{CrashPoint, CrashSwitch};
 use proto::db::{self, OpenedFiles, StepFailure, Steps};
-use runtime::health::StorageHealth;
+use runtime::health::{PROBE_CAP, PROBE_FIRST, StorageHealth};
 use rusqlite::Connection;
 use tokio::sync::{mpsc, oneshot, watch};
 
@@ -23,33 +24,50 @@ pub struct AdvanceJob {
     pub reply: oneshot::Sender<Result<AdvanceReply, StoreError>>,
 }
 
-/// Whether producer.db at its path is still the file this producer opened, checked before
-/// every `Advance` commit. Committed into a deleted or replaced file, an event would be
-/// answered `COMMITTED` and be gone with the process (nothing else can open that file; a
-/// restarted producer refuses the leftovers of a deleted one). The first refusal is logged
-/// once and turns health `NOT_SERVING`, for good: only a restart opens what is at the path.
+/// Whether producer.db takes the producer's commits, for gRPC health, checked and reported
+/// around every `Advance` commit.
+///
+/// Before each commit: the path must still name the file this producer opened. Committed
+/// into a deleted or replaced file, an event would be answered `COMMITTED` and be gone with
+/// the process (nothing else can open that file; a restarted producer refuses the leftovers
+/// of a deleted one). The first refusal is logged once and turns health `NOT_SERVING`, for
+/// good: only a restart opens what is at the path.
+///
+/// A commit that fails for a reason of the storage's own (a full disk, an I/O error, a file
+/// system remounted read-only) is logged once per cause and turns health `NOT_SERVING`; a
+/// probe ([`spawn_prober`]) writes one row with backoff until a commit works, and that, or
+/// the next committed batch, turns it back. Contention (`SQLITE_BUSY`) is not a failure.
 #[derive(Debug)]
 pub struct FileWatch {
     files: OpenedFiles,
-    /// Never succeeds again once failed: nothing probes a file that is gone.
+    /// The test hook that fails commits ([`db::COMMIT_FAULT_ENV`]).
+    fault: db::CommitFault,
+    /// Set once the file was found deleted or replaced: nothing succeeds after that.
+    gone: AtomicBool,
     health: StorageHealth,
 }
 
 impl FileWatch {
     /// Watches `path` as it is now (call right after opening it).
     pub fn new(path: &Path) -> FileWatch {
-        FileWatch { files: OpenedFiles::of(path), health: StorageHealth::default() }
+        FileWatch {
+            files: OpenedFiles::of(path),
+            fault: db::CommitFault::from_env("producer"),
+            gone: AtomicBool::new(false),
+            health: StorageHealth::default(),
+        }
     }
 
-    /// `false` once a commit was refused (for health).
+    /// `false` while commits fail, and for good once the file was found gone (for health).
     pub fn serving(&self) -> watch::Receiver<bool> {
         self.health.serving()
     }
 
     /// Inside the transaction, just before its commit: refuses (the caller rolls back) when
-    /// the path no longer names the file opened.
+    /// the path no longer names the file opened, or while the test hook is armed.
     fn before_commit(&self) -> Result<(), StoreError> {
         self.files.check().map_err(|what| {
+            self.gone.store(true, Ordering::Release);
             if self.health.failed(&what) {
                 tracing::error!(
                     error = %what,
@@ -65,7 +83,79 @@ impl FileWatch {
                      (restart the producer)"
                 ),
             }
-        })
+        })?;
+        self.fault.check().map_err(|detail| StoreError::Storage { what: "advance commit", detail })
+    }
+
+    /// A transaction could not begin or commit. A storage failure (not contention, not a
+    /// file already reported gone) is logged when its cause is new, and turns health
+    /// `NOT_SERVING` until a commit works.
+    fn commit_failed(&self, e: &StoreError) {
+        if !matches!(e, StoreError::Storage { .. }) || self.gone.load(Ordering::Acquire) {
+            return;
+        }
+        let cause = e.to_string();
+        if self.health.failed(&cause) {
+            tracing::error!(
+                error = %cause,
+                "producer database cannot commit: health NOT_SERVING, every Advance is answered INTERNAL \
+                 and nothing of it is written until it can (probed with backoff)"
+            );
+        }
+    }
+
+    /// A transaction committed: after a failure, logged once, and health `SERVING`.
+    fn committed(&self) {
+        if self.gone.load(Ordering::Acquire) {
+            return;
+        }
+        if let Some(cause) = self.health.succeeded() {
+            tracing::info!(after = %cause, "producer database commits again: health SERVING");
+        }
+    }
+
+    /// True while commits fail and a probe may end it (not once the file is gone).
+    fn probe_owed(&self) -> bool {
+        self.health.is_failing() && !self.gone.load(Ordering::Acquire)
+    }
+}
+
+/// While `files` reports failing commits, writes one row of producer.db (the backlog
+/// counter, to the value it has) in a transaction of its own, every [`PROBE_FIRST`] backing
+/// off to [`PROBE_CAP`], until one commits. Started on the current runtime, if any.
+pub fn spawn_prober(conn: Arc<Mutex<Connection>>, files: Arc<FileWatch>) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+    runtime.spawn(async move {
+        let mut pause = PROBE_FIRST;
+        loop {
+            if !files.probe_owed() {
+                pause = PROBE_FIRST;
+                files.health.woken().await;
+                continue;
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(PROBE_CAP);
+            let probing = Arc::clone(&files);
+            // A lost blocking task is tried again at the next pause.
+            let _ = runtime::blocking::with_locked(&conn, move |conn| probe(conn, &probing)).await;
+        }
+    });
+}
+
+/// One probe: the write an `Advance` batch's commit makes, without an event.
+fn probe(conn: &mut Connection, files: &FileWatch) {
+    let tx = match db::begin_immediate(conn) {
+        Ok(tx) => tx,
+        Err(e) => return files.commit_failed(&StoreError::from(e).during("advance commit")),
+    };
+    let written = tx
+        .execute("UPDATE backlog SET unaccepted = unaccepted WHERE id = 1", [])
+        .map_err(StoreError::from)
+        .and_then(|_| files.before_commit())
+        .and_then(|()| tx.commit().map_err(StoreError::from));
+    match written {
+        Ok(()) => files.committed(),
+        Err(e) => files.commit_failed(&e.during("advance commit")),
     }
 }
 
@@ -136,7 +226,11 @@ fn advance_in_tx(
     let fail_all = |e: StoreError| Some(cmds.iter().map(|_| Err(e.clone())).collect());
     let tx = match db::begin_immediate(conn) {
         Ok(tx) => tx,
-        Err(e) => return fail_all(StoreError::from(e).during("advance")),
+        Err(e) => {
+            let e = StoreError::from(e).during("advance");
+            files.commit_failed(&e);
+            return fail_all(e);
+        }
     };
     let mut unaccepted = super::Unaccepted::new(max_unaccepted);
     let mut held = db::Held::new(&tx);
@@ -152,7 +246,9 @@ fn advance_in_tx(
             Err(StepFailure::TransactionLost(e)) => {
                 // Nothing of this transaction can commit: every call fails, none is half done.
                 tracing::warn!(error = %e, lost = i, "advance batch rolled back whole");
-                return fail_all(e.during("advance"));
+                let e = e.during("advance");
+                files.commit_failed(&e);
+                return fail_all(e);
             }
         }
     }
@@ -166,8 +262,11 @@ fn advance_in_tx(
         .and_then(|()| files.before_commit())
         .and_then(|()| tx.commit().map_err(StoreError::from));
     if let Err(e) = committed {
-        return fail_all(e.during("advance commit"));
+        let e = e.during("advance commit");
+        files.commit_failed(&e);
+        return fail_all(e);
     }
+    files.committed();
     crash.reach(CrashPoint::ProducerAfterCommit);
     Some(results)
 }
