@@ -302,8 +302,8 @@ pub struct SqliteStore {
     path: std::path::PathBuf,
     crash: CrashSwitch,
     writer: Option<mpsc::Sender<writer::AdvanceJob>>,
-    /// The server's: whether producer.db is still the file it opened (see [`writer::FileWatch`]).
-    files: Option<Arc<writer::FileWatch>>,
+    /// The server's: whether producer.db takes its commits (see [`writer::StorageWatch`]).
+    files: Option<Arc<writer::StorageWatch>>,
 }
 
 impl SqliteStore {
@@ -313,7 +313,7 @@ impl SqliteStore {
         let (writer, files) = match role {
             Role::Server { max_batch, max_unaccepted } => {
                 tracing::info!(max_batch, ?max_unaccepted, "advance writer");
-                let files = Arc::new(writer::FileWatch::new(path));
+                let files = Arc::new(writer::StorageWatch::new(path));
                 let jobs =
                     writer::spawn(Arc::clone(&conn), crash, max_batch, max_unaccepted, Arc::clone(&files))?;
                 writer::spawn_prober(Arc::clone(&conn), Arc::clone(&files));

@@ -38,7 +38,7 @@ pub struct AdvanceJob {
 /// probe ([`spawn_prober`]) writes one row with backoff until a commit works, and that, or
 /// the next committed batch, turns it back. Contention (`SQLITE_BUSY`) is not a failure.
 #[derive(Debug)]
-pub struct FileWatch {
+pub struct StorageWatch {
     files: OpenedFiles,
     /// The test hook that fails commits ([`db::COMMIT_FAULT_ENV`]).
     fault: db::CommitFault,
@@ -47,10 +47,10 @@ pub struct FileWatch {
     health: StorageHealth,
 }
 
-impl FileWatch {
+impl StorageWatch {
     /// Watches `path` as it is now (call right after opening it).
-    pub fn new(path: &Path) -> FileWatch {
-        FileWatch {
+    pub fn new(path: &Path) -> StorageWatch {
+        StorageWatch {
             files: OpenedFiles::of(path),
             fault: db::CommitFault::from_env("producer"),
             gone: AtomicBool::new(false),
@@ -123,7 +123,7 @@ impl FileWatch {
 /// While `files` reports failing commits, writes one row of producer.db (the backlog
 /// counter, to the value it has) in a transaction of its own, every [`PROBE_FIRST`] backing
 /// off to [`PROBE_CAP`], until one commits. Started on the current runtime, if any.
-pub fn spawn_prober(conn: Arc<Mutex<Connection>>, files: Arc<FileWatch>) {
+pub fn spawn_prober(conn: Arc<Mutex<Connection>>, files: Arc<StorageWatch>) {
     let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
     runtime.spawn(async move {
         let mut pause = PROBE_FIRST;
@@ -143,7 +143,7 @@ pub fn spawn_prober(conn: Arc<Mutex<Connection>>, files: Arc<FileWatch>) {
 }
 
 /// One probe: the write an `Advance` batch's commit makes, without an event.
-fn probe(conn: &mut Connection, files: &FileWatch) {
+fn probe(conn: &mut Connection, files: &StorageWatch) {
     let tx = match db::begin_immediate(conn) {
         Ok(tx) => tx,
         Err(e) => return files.commit_failed(&StoreError::from(e).during("advance commit")),
@@ -166,7 +166,7 @@ pub fn spawn(
     crash: CrashSwitch,
     max_batch: usize,
     max_unaccepted: Option<u64>,
-    files: Arc<FileWatch>,
+    files: Arc<StorageWatch>,
 ) -> std::io::Result<mpsc::Sender<AdvanceJob>> {
     let answers = runtime::group::Answers::new();
     runtime::group::spawn_writer(
@@ -203,7 +203,7 @@ pub fn advance_batch(
     cmds: &[AdvanceCommand],
     crash: &CrashSwitch,
     max_unaccepted: Option<u64>,
-    files: &FileWatch,
+    files: &StorageWatch,
 ) -> Vec<Result<AdvanceReply, StoreError>> {
     match advance_in_tx(conn, cmds, crash, max_unaccepted, files, Steps::Direct) {
         Some(results) => results,
@@ -220,7 +220,7 @@ fn advance_in_tx(
     cmds: &[AdvanceCommand],
     crash: &CrashSwitch,
     max_unaccepted: Option<u64>,
-    files: &FileWatch,
+    files: &StorageWatch,
     steps: Steps,
 ) -> Option<Vec<Result<AdvanceReply, StoreError>>> {
     let fail_all = |e: StoreError| Some(cmds.iter().map(|_| Err(e.clone())).collect());
@@ -285,7 +285,13 @@ mod tests {
         dir: &tempfile::TempDir,
         batch: &[AdvanceCommand],
     ) -> Vec<Result<AdvanceReply, StoreError>> {
-        advance_batch(conn, batch, &CrashSwitch::default(), None, &FileWatch::new(&dir.path().join("p.db")))
+        advance_batch(
+            conn,
+            batch,
+            &CrashSwitch::default(),
+            None,
+            &StorageWatch::new(&dir.path().join("p.db")),
+        )
     }
 
     fn outcome(r: &Result<AdvanceReply, StoreError>) -> Result<AdvanceOutcome, bool> {
