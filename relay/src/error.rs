@@ -81,10 +81,11 @@ impl RelayError {
     }
 
     /// True for what `run` retries (with backoff) instead of exiting: a link failure, or a
-    /// producer database that cannot be reached for now (the server restarted, a connection
-    /// was cut). The rows whose marks were lost stay unaccepted and are sent again; the
-    /// consumer answers DUPLICATE and they are marked then.
+    /// producer database that cannot be reached or written for now (the server restarted, a
+    /// connection was cut, its disk is full). The rows whose marks were lost stay unaccepted
+    /// and are sent again; the consumer answers DUPLICATE and they are marked then.
     pub fn is_retried_by_run(&self) -> bool {
-        self.is_link_failure() || matches!(self, RelayError::Store(e) if e.is_retryable())
+        self.is_link_failure()
+            || matches!(self, RelayError::Store(e) if e.is_retryable() || e.is_storage_outage())
     }
 }

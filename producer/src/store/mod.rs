@@ -472,6 +472,20 @@ impl StoreError {
         matches!(self, StoreError::Unavailable { .. })
     }
 
+    /// True for a failure of the storage itself rather than of the work: a full disk, an
+    /// I/O error, a file that refuses writes (SQLite's `SQLITE_FULL`, `SQLITE_IOERR`,
+    /// `SQLITE_READONLY`), or PostgreSQL's `53100` disk full and `58030` I/O error. It may
+    /// pass once the operator mends the storage, so `relay run` waits for it instead of
+    /// exiting.
+    pub fn is_storage_outage(&self) -> bool {
+        let StoreError::Storage { detail, .. } = self else { return false };
+        const SQLITE: [&str; 3] =
+            ["database or disk is full", "disk I/O error", "attempt to write a readonly database"];
+        SQLITE.iter().any(|words| detail.contains(words))
+            || detail.starts_with("53100")
+            || detail.starts_with("58030")
+    }
+
     /// The same error about `what` (each layer names the step that failed).
     fn during(self, what: &'static str) -> StoreError {
         match self {

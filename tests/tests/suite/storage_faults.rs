@@ -325,6 +325,52 @@ async fn a_producer_whose_storage_fills_up_reports_it_in_health_and_recovers() {
     wait_every_event_applied_once(&producer.db, &consumer.db, &daemon, &consumer);
 }
 
+/// producer.db's file system is full when `relay run` must record the consumer's answers:
+/// the relay says so once and waits (its rows stay unaccepted, nothing is lost) instead of
+/// exiting, and records them once there is room. Before, it exited at the first failed
+/// mark (`relay: error: … database or disk is full`) and delivered nothing more until
+/// restarted by hand. Needs a tmpfs: the commit-failure hook is the producer's, and the
+/// relay's writes are its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_producer_database_fills_up_waits_and_then_records_its_answers() {
+    harness::sqlite_only!("fills the file system under producer.db (a small tmpfs)");
+    let Some(work) = Workdir::for_test() else { return };
+    let fault = Fault::prepare(&work);
+    if let Fault::Hook { .. } = fault {
+        eprintln!(
+            "SKIPPED: no tmpfs can be mounted here, and only a real full disk fails the relay's writes"
+        );
+        return;
+    }
+    let producer = Producer::start_on(fault.producer_db(&work), work.path("producer.log"), &[]);
+    // Committed before the relay starts, so every answer comes after the disk is full.
+    commit_flows(&producer, "early", 20).await;
+    fault.start();
+    let consumer = start_consumer(&work.consumer_db(), "127.0.0.1:0", work.path("consumer.log"), &[]);
+    let mut daemon = relay(&work, &producer, &consumer.process.url());
+    wait_for(
+        DEADLINE,
+        || daemon.log_text().contains("database or disk is full").then_some(()),
+        || format!("the relay never met the full disk; its log:\n{}", daemon.log_text()),
+    );
+    // It goes on sending (after its backoff) what it could not record: the consumer stores
+    // and applies every event, and the relay is still there.
+    wait_for(
+        DEADLINE,
+        || (db::effects(&consumer.db).len() == 60).then_some(()),
+        || format!("{} effects; relay log:\n{}", db::effects(&consumer.db).len(), daemon.log_text()),
+    );
+    assert!(daemon.is_running(), "the relay exited on a full disk:\n{}", daemon.log_text());
+    let log = daemon.log_text();
+    assert!(log.contains("producer database unavailable"), "{log}");
+    assert!(!log.contains("relay: error"), "{log}");
+    assert!(db::outbox(&producer.db).iter().any(|r| !r.accepted), "no mark failed");
+
+    fault.stop();
+    wait_every_event_applied_once(&producer.db, &consumer.db, &daemon, &consumer);
+    assert!(daemon.is_running(), "{}", daemon.log_text());
+}
+
 /// consumer.db deleted under a running consumer: it stops accepting and says why instead of
 /// writing to the unlinked file; restarted, it refuses to create a fresh database beside the
 /// old one's -wal/-shm; once the operator removes them, it creates one, and the relay, seeing
