@@ -9,7 +9,7 @@
 
 use proto::db::{CommitFault, OpenedFiles};
 use proto::target::DbTarget;
-use runtime::health::{PROBE_CAP, PROBE_FIRST, StorageHealth};
+use runtime::health::StorageHealth;
 use tokio::sync::watch;
 
 use crate::apply::{self, ApplyOptions};
@@ -107,26 +107,17 @@ impl StorageWatch {
     /// with a real commit (backing off from 100 ms to 5 s); in auto-apply mode it then
     /// applies every flow with unapplied rows, until a whole pass succeeds.
     pub fn spawn_recovery(&'static self, store: ConsumerStore, auto_apply: Option<ApplyOptions>) {
-        tokio::spawn(async move {
-            let mut pause = PROBE_FIRST;
-            loop {
-                let owed = self.apply_owed.load(std::sync::atomic::Ordering::Acquire) && auto_apply.is_some();
-                if !self.is_failing() && !owed {
-                    pause = PROBE_FIRST;
-                    self.health.woken().await;
-                    continue;
-                }
-                if tokio::time::timeout(pause, self.health.woken()).await.is_ok() {
-                    continue;
-                }
-                pause = (pause * 2).min(PROBE_CAP);
+        let owed = move || {
+            self.is_failing()
+                || (auto_apply.is_some() && self.apply_owed.load(std::sync::atomic::Ordering::Acquire))
+        };
+        tokio::spawn(self.health.keep_probing(owed, move || {
+            let store = store.clone();
+            async move {
                 if self.is_failing() {
                     match store.probe(self).await {
                         Ok(()) => self.commit_succeeded(),
-                        Err(e) => {
-                            self.commit_failed(&e);
-                            continue;
-                        }
+                        Err(e) => return self.commit_failed(&e),
                     }
                 }
                 if let Some(opts) = auto_apply {
@@ -134,7 +125,7 @@ impl StorageWatch {
                     reapply(&store, opts).await;
                 }
             }
-        });
+        }));
     }
 }
 

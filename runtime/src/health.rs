@@ -70,9 +70,27 @@ impl StorageHealth {
         self.wake.notified().await;
     }
 
-    /// Wakes the prober without a failure (work it owes, say).
-    pub fn wake(&self) {
-        self.wake.notify_one();
+    /// Runs for ever (spawn it): while `owed()` (storage fails, or the caller owes work after
+    /// a failure), runs `probe` every [`PROBE_FIRST`], doubling the pause up to [`PROBE_CAP`]
+    /// (a failure reported meanwhile starts the pause over); otherwise waits for the next
+    /// failure.
+    pub async fn keep_probing<F>(&self, owed: impl Fn() -> bool, mut probe: impl FnMut() -> F)
+    where
+        F: std::future::Future<Output = ()>,
+    {
+        let mut pause = PROBE_FIRST;
+        loop {
+            if !owed() {
+                pause = PROBE_FIRST;
+                self.woken().await;
+                continue;
+            }
+            if tokio::time::timeout(pause, self.woken()).await.is_ok() {
+                continue;
+            }
+            pause = (pause * 2).min(PROBE_CAP);
+            probe().await;
+        }
     }
 }
 

@@ -20,7 +20,7 @@ use proto::crash::{CrashPoint, CrashSwitch};
 use proto::flow::FlowState;
 use proto::pg::{PgKind, is_retryable, is_serialization_failure};
 use proto::target::PgUrl;
-use runtime::health::{PROBE_CAP, PROBE_FIRST, StorageHealth};
+use runtime::health::StorageHealth;
 use runtime::metrics::{GaugeReader, GaugeSample};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_postgres::Row;
@@ -284,7 +284,7 @@ pub struct PgStore {
 /// Whether the PostgreSQL server takes the producer's commits, for gRPC health: an `Advance`
 /// batch that gets no connection, loses its connection, or finds it read-only (a standby),
 /// turns health `NOT_SERVING` (logged once per cause); a probe task (a connection from the
-/// pool that is not read-only, backing off from [`PROBE_FIRST`] to [`PROBE_CAP`]), or the
+/// pool that is not read-only, with the backoff of [`StorageHealth::keep_probing`]), or the
 /// next committed batch, turns it back.
 /// Callers get `UNAVAILABLE` meanwhile, as before; a load balancer also sees it in health.
 #[derive(Debug, Default)]
@@ -296,27 +296,26 @@ impl ServerHealth {
         let health = Arc::new(ServerHealth::default());
         let probing = Arc::clone(&health);
         tokio::spawn(async move {
-            let mut pause = PROBE_FIRST;
-            loop {
-                if !probing.0.is_failing() {
-                    pause = PROBE_FIRST;
-                    probing.0.woken().await;
-                    continue;
-                }
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(PROBE_CAP);
-                match pool.get().await {
-                    Ok(client) => match writable(&client).await {
-                        Ok(true) => probing.succeeded(),
-                        Ok(false) => {
-                            proto::pg::note_writes_refused();
-                            probing.failed(proto::pg::READ_ONLY);
+            let owed = || probing.0.is_failing();
+            probing
+                .0
+                .keep_probing(owed, || {
+                    let (pool, probing) = (pool.clone(), Arc::clone(&probing));
+                    async move {
+                        match pool.get().await {
+                            Ok(client) => match writable(&client).await {
+                                Ok(true) => probing.succeeded(),
+                                Ok(false) => {
+                                    proto::pg::note_writes_refused();
+                                    probing.failed(proto::pg::READ_ONLY);
+                                }
+                                Err(e) => probing.failed(&proto::pg::describe(&e)),
+                            },
+                            Err(e) => probing.failed(&proto::pg::pool_error(&e)),
                         }
-                        Err(e) => probing.failed(&proto::pg::describe(&e)),
-                    },
-                    Err(e) => probing.failed(&proto::pg::pool_error(&e)),
-                }
-            }
+                    }
+                })
+                .await;
         });
         health
     }

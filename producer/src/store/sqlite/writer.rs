@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use proto::crash::{CrashPoint, CrashSwitch};
 use proto::db::{self, OpenedFiles, StepFailure, Steps};
-use runtime::health::{PROBE_CAP, PROBE_FIRST, StorageHealth};
+use runtime::health::StorageHealth;
 use rusqlite::Connection;
 use tokio::sync::{mpsc, oneshot, watch};
 
@@ -121,24 +121,22 @@ impl StorageWatch {
 }
 
 /// While `files` reports failing commits, writes one row of producer.db (the backlog
-/// counter, to the value it has) in a transaction of its own, every [`PROBE_FIRST`] backing
-/// off to [`PROBE_CAP`], until one commits. Started on the current runtime, if any.
+/// counter, to the value it has) in a transaction of its own, with the backoff of
+/// [`StorageHealth::keep_probing`], until one commits. Started on the current runtime, if any.
 pub fn spawn_prober(conn: Arc<Mutex<Connection>>, files: Arc<StorageWatch>) {
     let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
     runtime.spawn(async move {
-        let mut pause = PROBE_FIRST;
-        loop {
-            if !files.probe_owed() {
-                pause = PROBE_FIRST;
-                files.health.woken().await;
-                continue;
-            }
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(PROBE_CAP);
-            let probing = Arc::clone(&files);
-            // A lost blocking task is tried again at the next pause.
-            let _ = runtime::blocking::with_locked(&conn, move |conn| probe(conn, &probing)).await;
-        }
+        let owed = || files.probe_owed();
+        files
+            .health
+            .keep_probing(owed, || {
+                let (conn, probing) = (Arc::clone(&conn), Arc::clone(&files));
+                async move {
+                    // A lost blocking task is tried again at the next pause.
+                    let _ = runtime::blocking::with_locked(&conn, move |conn| probe(conn, &probing)).await;
+                }
+            })
+            .await;
     });
 }
 
