@@ -28,6 +28,10 @@ pub struct ApplyOptions {
     pub max_batch: usize,
     /// Checked before every commit and told every commit's outcome (none in unit tests).
     pub storage: Option<&'static StorageWatch>,
+    /// `--retention 0`: on PostgreSQL an applied row loses its body (keeping its digest) in
+    /// the statement that marks it applied, not in a later pass (one row version instead of
+    /// two); the pass reports it. SQLite compacts in its passes either way.
+    pub compact_applied: bool,
 }
 
 impl Default for ApplyOptions {
@@ -37,6 +41,7 @@ impl Default for ApplyOptions {
             crash: CrashSwitch::default(),
             max_batch: DEFAULT_APPLY_BATCH,
             storage: None,
+            compact_applied: false,
         }
     }
 }

@@ -109,6 +109,7 @@ impl ConsumerService {
             crash: config.crash,
             max_batch: config.apply_batch,
             storage: Some(storage),
+            compact_applied: config.retention.age_us() == Some(0),
         };
         storage.spawn_recovery(store.clone(), config.auto_apply.then_some(opts));
         crate::compaction::spawn(store.clone(), config.retention, config.crash);

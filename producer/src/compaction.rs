@@ -31,16 +31,19 @@ pub async fn pass(
     keep_free_pages: u64,
 ) -> Result<Option<CompactReport>, StoreError> {
     runtime::retention::run_pass(TABLE, retention, &METRICS, |cutoff_us| {
-        store.compact(cutoff_us, COMPACT_BATCH, keep_free_pages)
+        store.compact(cutoff_us, COMPACT_BATCH, keep_free_pages, false)
     })
     .await
 }
 
 /// Starts the background loop (nothing when `retention` is `off`; see
-/// [`runtime::retention::spawn_passes`]).
+/// [`runtime::retention::spawn_passes`]). At retention 0 on PostgreSQL each pass also asks
+/// the relays to compact rows as they record their acceptance (one row version per row
+/// instead of two); the passes then only report them and compact what older relays left.
 pub fn spawn(store: ProducerStore, retention: Retention) -> Option<tokio::task::JoinHandle<()>> {
+    let on_accept = retention.age_us() == Some(0);
     runtime::retention::spawn_passes(TABLE, retention, &METRICS, move |cutoff_us| {
         let store = store.clone();
-        async move { store.compact(cutoff_us, COMPACT_BATCH, KEEP_FREE_PAGES).await }
+        async move { store.compact(cutoff_us, COMPACT_BATCH, KEEP_FREE_PAGES, on_accept).await }
     })
 }

@@ -194,8 +194,9 @@ pub struct RetentionFlags {
     /// on the consumer) keeps its body before it is compacted to a tombstone: event id, flow
     /// id, seq and the SHA-256 digest of its canonical body, which keep every duplicate and
     /// conflict answer exact for ever. A whole number with d, h, m or s (7d, 12h, 30m), 0 to
-    /// compact as soon as a row is finished, or off to keep every body. Effects, projections
-    /// and flow states are never compacted.
+    /// compact as soon as a row is finished (on PostgreSQL by the very statement that finishes
+    /// it: the relay's mark, the Apply), or off to keep every body. Effects, projections and
+    /// flow states are never compacted.
     #[arg(long, env = "ORDERED_EVENTS_RETENTION", value_name = "DURATION", default_value_t = DEFAULT_RETENTION)]
     pub retention: Retention,
 }
@@ -206,6 +207,9 @@ pub struct RetentionFlags {
 pub struct CompactReport {
     /// Finished rows reduced to tombstones.
     pub compacted: u64,
+    /// Of `compacted`, the rows that lost their body in the transaction that finished them
+    /// (PostgreSQL at retention 0: a relay's mark, an Apply), reported by this pass.
+    pub when_finished: u64,
     /// Bytes of canonical bodies dropped.
     pub body_bytes: u64,
     /// Transactions that compacted rows (each at most [`COMPACT_BATCH`] rows).
@@ -258,6 +262,7 @@ impl CompactReport {
             table = %table,
             %retention,
             rows = self.compacted,
+            when_finished = self.when_finished,
             body_bytes = self.body_bytes,
             batches = self.batches,
             pages_freed = ?self.pages_freed,

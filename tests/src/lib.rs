@@ -55,3 +55,13 @@ pub fn envelope(flow: &str, seq: u64, kind: &str, schema: u32, payload_json: &st
         committed_at_us: None,
     }
 }
+
+/// The rows a service's compaction passes reported as compacted by the transactions that
+/// finished them (`when_finished=N` of each `compaction pass` line in `log`), summed.
+pub fn when_finished(log: &str) -> u64 {
+    log.lines()
+        .filter(|line| line.contains("compaction pass"))
+        .filter_map(|line| line.split_whitespace().find_map(|field| field.strip_prefix("when_finished=")))
+        .filter_map(|n| n.parse::<u64>().ok())
+        .sum()
+}

@@ -38,9 +38,17 @@ macro_rules! inbox_columns {
 pub const KIND: PgKind = PgKind {
     name: "consumer",
     schema: "ordered_events_consumer",
-    version: 7,
+    version: 8,
     ddl: DDL,
-    upgrades: &[UPGRADE_TO_2, UPGRADE_TO_3, UPGRADE_TO_4, UPGRADE_TO_5, UPGRADE_TO_6, UPGRADE_TO_7],
+    upgrades: &[
+        UPGRADE_TO_2,
+        UPGRADE_TO_3,
+        UPGRADE_TO_4,
+        UPGRADE_TO_5,
+        UPGRADE_TO_6,
+        UPGRADE_TO_7,
+        UPGRADE_TO_8,
+    ],
 };
 
 /// Connections in the pool: the Receive writer, the appliers (Apply, auto-apply), readers
@@ -498,10 +506,35 @@ CREATE VIEW effect AS
 }
 const UPGRADE_TO_7: &str = upgrade_to_7!();
 
-/// The schema (version 7): version 2's, then the upgrades to 3, 4, 5, 6 and 7, so a new schema
-/// and an upgraded one are the same.
-const DDL: &str =
-    concat!(ddl_v2!(), upgrade_to_3!(), upgrade_to_4!(), upgrade_to_5!(), upgrade_to_6!(), upgrade_to_7!());
+/// Version 8: at `--retention 0` an applied row loses its body in the statement that marks
+/// it applied ([`MARK_APPLIED_COMPACTING`]) instead of in a later pass: every update writes
+/// a new version of the row for vacuum to reclaim, and the pass's was a second one per row,
+/// which cost the server about a quarter more CPU per event (README, Retention). Those
+/// statements add their rows and body bytes to `compacted_rows` and `compacted_bytes`, which
+/// the next pass of any consumer reports (log line, metrics) and sets back to 0, so each row
+/// is counted once, after its commit.
+macro_rules! upgrade_to_8 {
+    () => {
+        r#"
+ALTER TABLE backlog
+    ADD COLUMN compacted_rows BIGINT NOT NULL DEFAULT 0 CHECK(compacted_rows >= 0),
+    ADD COLUMN compacted_bytes BIGINT NOT NULL DEFAULT 0 CHECK(compacted_bytes >= 0);
+"#
+    };
+}
+const UPGRADE_TO_8: &str = upgrade_to_8!();
+
+/// The schema (version 8): version 2's, then the upgrades to 3 … 8, so a new schema and an
+/// upgraded one are the same.
+const DDL: &str = concat!(
+    ddl_v2!(),
+    upgrade_to_3!(),
+    upgrade_to_4!(),
+    upgrade_to_5!(),
+    upgrade_to_6!(),
+    upgrade_to_7!(),
+    upgrade_to_8!()
+);
 
 impl From<tokio_postgres::Error> for StoreError {
     /// A deadlock or serialization failure aborted the transaction (retryable, as a whole
@@ -972,8 +1005,19 @@ impl PgStore {
     /// lock is granted), so concurrent passes never compact or count a row twice. The digest
     /// is computed by the server from the UTF-8 bytes of the stored body: the same bytes the
     /// canonical body has everywhere.
+    ///
+    /// First it takes the rows applies compacted at retention 0 since the last pass (see
+    /// [`UPGRADE_TO_8`]) into the report.
     pub(crate) async fn compact(&self, cutoff_us: i64, crash: CrashSwitch) -> Result<CompactReport> {
         let mut report = CompactReport::default();
+        {
+            let client = self.pool.get().await?;
+            let stmt = client.prepare_cached(COLLECT_SQL).await?;
+            let row = client.query_one(&stmt, &[]).await?;
+            report.compacted = unsigned(row.get(0));
+            report.body_bytes = unsigned(row.get(1));
+            report.when_finished = report.compacted;
+        }
         let batch = runtime::retention::COMPACT_BATCH;
         loop {
             let mut client = self.pool.get().await?;
@@ -1198,6 +1242,56 @@ pub(crate) const COMPACT_SQL: &str = "WITH c AS (
      FROM c WHERE i.event_id = c.event_id
      RETURNING c.bytes";
 
+/// Marks the rows `$1` names (all unapplied) applied at `$2` and, at retention 0, compacts
+/// them in the same statement: `o` reads each body's size, `u` marks the rows and drops their
+/// bodies for their digests (computed by the server from the same UTF-8 bytes as a pass's),
+/// `b` counts them for the next pass to report ([`UPGRADE_TO_8`]). Returns the rows marked,
+/// as the plain `UPDATE` does. `$1` is an array of event ids, or one id with `_ONE`.
+macro_rules! mark_applied_compacting {
+    ($match:literal) => {
+        concat!(
+            "WITH o AS (
+                 SELECT event_id, octet_length(convert_to(body, 'UTF8')) AS n FROM inbox
+                 WHERE event_id ",
+            $match,
+            " AND state <> 'applied'),
+             u AS (
+                 UPDATE inbox i SET state = 'applied', reason = NULL, applied_at_us = $2,
+                     body_sha256 = sha256(convert_to(i.body, 'UTF8')), body = NULL
+                 FROM o WHERE i.event_id = o.event_id AND i.state <> 'applied'
+                 RETURNING o.n),
+             b AS (
+                 UPDATE backlog SET compacted_rows = compacted_rows + (SELECT count(*) FROM u),
+                     compacted_bytes = compacted_bytes + (SELECT coalesce(sum(n), 0) FROM u)
+                 WHERE id = 1 AND EXISTS (SELECT 1 FROM u))
+             SELECT count(*) FROM u"
+        )
+    };
+}
+const MARK_APPLIED_COMPACTING: &str = mark_applied_compacting!("= ANY($1::text[])");
+const MARK_APPLIED_COMPACTING_ONE: &str = mark_applied_compacting!("= $1");
+
+/// Runs a [`mark_applied_compacting`] statement: the rows it marked.
+async fn mark_compacting(
+    tx: &Transaction<'_>,
+    stmt: &tokio_postgres::Statement,
+    params: &[&(dyn ToSql + Sync)],
+) -> std::result::Result<u64, tokio_postgres::Error> {
+    let row = tx.query_one(stmt, params).await?;
+    Ok(u64::try_from(row.get::<_, i64>(0)).unwrap_or(0))
+}
+
+/// The rows (and body bytes) applies compacted since the last pass, set back to 0; the row
+/// is locked, so two passes never take the same count. Writes nothing when there is none.
+const COLLECT_SQL: &str = "WITH old AS (
+         SELECT compacted_rows, compacted_bytes FROM backlog WHERE id = 1 FOR UPDATE
+     ),
+     taken AS (
+         UPDATE backlog b SET compacted_rows = 0, compacted_bytes = 0
+         FROM old WHERE b.id = 1 AND old.compacted_rows > 0
+     )
+     SELECT compacted_rows, compacted_bytes FROM old";
+
 /// What the fast path decided for one flow of a group.
 struct Planned {
     /// Index into the group's runs.
@@ -1245,7 +1339,7 @@ async fn apply_fast(
             .await;
     };
     let now = runtime::now_us();
-    if let Err(e) = write_group(tx, &plans, &runs[first..], now).await {
+    if let Err(e) = write_group(tx, &plans, &runs[first..], now, opts.compact_applied).await {
         return APPLY_FAST.undo(tx, e).await;
     }
     let mut after = first;
@@ -1427,7 +1521,13 @@ fn plan_group(
 /// first (they take the flows' row locks), then the effects in apply order, the applied
 /// marks and the blocked marks. Each statement's row count must be exactly the planned one,
 /// else (another applier moved a flow) the group is not written as planned: `Busy`.
-async fn write_group(tx: &Transaction<'_>, plans: &[Planned], runs: &[FlowRun], now_us: i64) -> Result<()> {
+async fn write_group(
+    tx: &Transaction<'_>,
+    plans: &[Planned],
+    runs: &[FlowRun],
+    now_us: i64,
+    compact: bool,
+) -> Result<()> {
     let flow = |p: &Planned| runs[p.run].flow_id.as_str();
     let moved: Vec<&Planned> = plans.iter().filter(|p| !p.steps.is_empty()).collect();
     let (new, old): (Vec<&Planned>, Vec<&Planned>) =
@@ -1493,10 +1593,12 @@ async fn write_group(tx: &Transaction<'_>, plans: &[Planned], runs: &[FlowRun], 
         )
         .await?;
     let mark_applied = tx
-        .prepare_cached(
+        .prepare_cached(if compact {
+            MARK_APPLIED_COMPACTING
+        } else {
             "UPDATE inbox SET state = 'applied', reason = NULL, applied_at_us = $2
-             WHERE event_id = ANY($1::text[]) AND state <> 'applied'",
-        )
+             WHERE event_id = ANY($1::text[]) AND state <> 'applied'"
+        })
         .await?;
     let mark_blocked = tx
         .prepare_cached(
@@ -1530,7 +1632,12 @@ async fn write_group(tx: &Transaction<'_>, plans: &[Planned], runs: &[FlowRun], 
     }
     if !e_ids.is_empty() {
         writes.push((Box::pin(tx.execute(&insert_effects, &p_effects)), e_ids.len()));
-        writes.push((Box::pin(tx.execute(&mark_applied, &p_applied)), e_ids.len()));
+        let mark: PipedFuture<'_, u64> = if compact {
+            Box::pin(mark_compacting(tx, &mark_applied, &p_applied))
+        } else {
+            Box::pin(tx.execute(&mark_applied, &p_applied))
+        };
+        writes.push((mark, e_ids.len()));
     }
     if !b_ids.is_empty() {
         writes.push((Box::pin(tx.execute(&mark_blocked, &p_blocked)), b_ids.len()));
@@ -1776,10 +1883,12 @@ async fn apply_step(
         )
         .await?;
     let mark_applied = tx
-        .prepare_cached(
+        .prepare_cached(if opts.compact_applied {
+            MARK_APPLIED_COMPACTING_ONE
+        } else {
             "UPDATE inbox SET state = 'applied', reason = NULL, applied_at_us = $2
-             WHERE event_id = $1 AND state <> 'applied'",
-        )
+             WHERE event_id = $1 AND state <> 'applied'"
+        })
         .await?;
     let (after_seq, from_seq, seq) = (big(after.last_seq), big(from.last_seq), big(row.seq));
     let (after_state, from_state, kind) = (after.state.as_str(), from.state.as_str(), kind.as_str());
@@ -1804,7 +1913,11 @@ async fn apply_step(
     let writes: Vec<PipedFuture<'_, u64>> = vec![
         Box::pin(tx.execute(&write_projection, &projection_params)),
         Box::pin(tx.execute(&insert_effect, &effect_params)),
-        Box::pin(tx.execute(&mark_applied, &mark_params)),
+        if opts.compact_applied {
+            Box::pin(mark_compacting(tx, &mark_applied, &mark_params))
+        } else {
+            Box::pin(tx.execute(&mark_applied, &mark_params))
+        },
     ];
     let mut answers = in_order(writes).await.into_iter();
     let mut next = || answers.next().unwrap_or(Ok(0));

@@ -700,6 +700,51 @@ async fn racing_appliers_apply_each_step_once() {
     assert_eq!(one.unapplied_count().await.unwrap(), 0);
 }
 
+/// PostgreSQL at retention 0: Apply compacts each row it applies in the statement that marks
+/// it (the step-by-step path and the group path, racing), keeping the digest of its body, and
+/// the next pass reports every row once, with its body's bytes.
+#[tokio::test(flavor = "multi_thread")]
+async fn pg_applies_at_retention_0_compact_what_they_apply_and_passes_count_it_once() {
+    let Some(db) = TestDb::create("c_pg_compact_applied") else { return };
+    let target: DbTarget = db.url().parse().unwrap();
+    let one = ConsumerStore::open(&target).await.unwrap();
+    let two = ConsumerStore::open(&target).await.unwrap();
+    let flows: Vec<String> = (0..20).map(|i| format!("F{i}")).collect();
+    for flow in &flows {
+        for seq in 1..=3 {
+            receive(&one, reference(flow, seq)).await;
+        }
+    }
+    let mut digests = std::collections::BTreeMap::new();
+    let mut bytes = 0;
+    for flow in &flows {
+        for row in one.flow(flow.clone()).await.unwrap().inbox {
+            bytes += row.body.len() as u64;
+            digests.insert(row.event_id.clone(), runtime::retention::body_digest(row.body.as_bytes()));
+        }
+    }
+    let one_step = ApplyOptions { max_batch: 1, compact_applied: true, ..ApplyOptions::default() };
+    let grouped = ApplyOptions { compact_applied: true, ..ApplyOptions::default() };
+    let (a, b) = tokio::join!(
+        one.apply_flows(flows.clone(), 1000, one_step),
+        two.apply_flows(flows.clone(), 1000, grouped)
+    );
+    let applied: usize = a.iter().chain(b.iter()).map(|r| r.outcome.as_ref().unwrap().applied.len()).sum();
+    assert_eq!(applied, 60, "each step applied by exactly one of the two");
+    for flow in &flows {
+        for row in one.flow(flow.clone()).await.unwrap().inbox {
+            assert!(row.body.is_empty(), "{flow}: {row:?}");
+            assert_eq!(row.compacted.as_ref(), digests.get(&row.event_id), "{flow}: {row:?}");
+        }
+    }
+    let report = one.compact(0, CrashSwitch::default(), 0).await.unwrap();
+    assert_eq!((report.compacted, report.when_finished, report.body_bytes), (60, 60, bytes));
+    assert_eq!(two.compact(0, CrashSwitch::default(), 0).await.unwrap().compacted, 0, "counted once");
+    // Redelivered, they are duplicates at their positions.
+    let again = receive_one(&one, reference("F0", 1), Admission::Unlimited).await;
+    assert_eq!((again.outcome, again.position), (ReceiveOutcome::Duplicate, 1));
+}
+
 /// Two grouped appliers racing over many flows, one walking them in reverse (so their row
 /// locks cross): whatever each group's compare-and-sets find, every step is applied once.
 #[tokio::test(flavor = "multi_thread")]

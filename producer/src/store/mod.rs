@@ -737,16 +737,19 @@ impl ProducerStore {
     /// dropped), in transactions of at most `batch` rows; unaccepted rows are never touched.
     /// Crash points `producer.compact.after_batch` (a batch rewritten, not committed) and
     /// `producer.compact.after_commit`. On SQLite the freed pages are then given back
-    /// (`incremental_vacuum`, in bounded steps) when the file allows it.
+    /// (`incremental_vacuum`, in bounded steps) when the file allows it. On PostgreSQL the
+    /// pass also reports the rows relays compacted as they recorded acceptance, and with
+    /// `on_accept` (a producer serving at retention 0) asks them to go on doing so.
     pub async fn compact(
         &self,
         cutoff_us: i64,
         batch: usize,
         keep_free_pages: u64,
+        on_accept: bool,
     ) -> Result<CompactReport, StoreError> {
         match self {
             ProducerStore::Sqlite(s) => s.compact(cutoff_us, batch.max(1), keep_free_pages).await,
-            ProducerStore::Postgres(s) => s.compact(cutoff_us, batch.max(1)).await,
+            ProducerStore::Postgres(s) => s.compact(cutoff_us, batch.max(1), on_accept).await,
         }
     }
 

@@ -40,13 +40,14 @@ use crate::request::AdvanceCommand;
 /// identity in `meta`, accepted-by columns from the start; version 2: each outbox row's
 /// partition and who marked it, the relays' lease and heartbeat tables; version 3: tombstones,
 /// see [`UPGRADE_TO_3`]; version 4: no foreign key from the outbox to `flow`, see
-/// [`UPGRADE_TO_4`]; version 5: consumer databases by key, see [`UPGRADE_TO_5`]).
+/// [`UPGRADE_TO_4`]; version 5: consumer databases by key, see [`UPGRADE_TO_5`]; version 6:
+/// compaction as acceptance is recorded, see [`UPGRADE_TO_6`]).
 pub const KIND: PgKind = PgKind {
     name: "producer",
     schema: "ordered_events_producer",
-    version: 5,
+    version: 6,
     ddl: DDL,
-    upgrades: &[UPGRADE_TO_2, UPGRADE_TO_3, UPGRADE_TO_4, UPGRADE_TO_5],
+    upgrades: &[UPGRADE_TO_2, UPGRADE_TO_3, UPGRADE_TO_4, UPGRADE_TO_5, UPGRADE_TO_6],
 };
 
 /// Version 3 (retention): compaction drops an accepted row's body in place (`body` NULL) and
@@ -127,6 +128,28 @@ CREATE INDEX outbox_accepted_by ON outbox(accepted_by, accepted_position) WHERE 
 }
 const UPGRADE_TO_5: &str = consumer_keys!();
 
+/// Version 6: at `--retention 0` an accepted row loses its body in the very statement that
+/// records its acceptance, instead of in a later pass. On PostgreSQL every update writes a
+/// new version of the row (and entries in its indexes) for vacuum to reclaim: the pass's
+/// update was a second one per row, after the relay's mark, and cost the server about a
+/// quarter more CPU per event (README, Retention). A producer serving at retention 0 keeps
+/// `compact_on_accept_until_us` a few seconds ahead of the database's clock (renewed by each
+/// pass, so it lapses soon after the last such producer stops); while it is ahead, a relay's
+/// mark drops the body of each row it newly accepts, keeps the digest, and adds the row and
+/// its body's bytes to `compacted_rows` and `compacted_bytes`, which the next pass of any
+/// producer reports (log line, metrics) and sets back to 0, so each row is counted once.
+macro_rules! compact_on_accept {
+    () => {
+        r#"
+ALTER TABLE backlog
+    ADD COLUMN compact_on_accept_until_us BIGINT NOT NULL DEFAULT 0,
+    ADD COLUMN compacted_rows BIGINT NOT NULL DEFAULT 0 CHECK(compacted_rows >= 0),
+    ADD COLUMN compacted_bytes BIGINT NOT NULL DEFAULT 0 CHECK(compacted_bytes >= 0);
+"#
+    };
+}
+const UPGRADE_TO_6: &str = compact_on_accept!();
+
 /// The relays' shared state (version 2): one lease row per partition (who holds it, the
 /// epoch every mark proves, until when by the database's clock) and one heartbeat row per
 /// live relay instance, from which each relay computes its fair share.
@@ -195,7 +218,8 @@ INSERT INTO backlog(id, unaccepted) VALUES (1, 0);
     proto::flow_partition_sql!(),
     tombstones_sql!(),
     no_outbox_flow_key!(),
-    consumer_keys!()
+    consumer_keys!(),
+    compact_on_accept!()
 );
 
 /// Version 1 to 2: every existing row gets its partition computed by the database with the
@@ -849,10 +873,36 @@ impl PgStore {
     /// marking are taken by a later pass) and drops their bodies in place, keeping the
     /// digest the database computes from the same bytes. Autovacuum reclaims the old
     /// versions (see [`UPGRADE_TO_3`]).
-    pub(super) async fn compact(&self, cutoff_us: i64, batch: usize) -> Result<CompactReport, StoreError> {
+    ///
+    /// First it takes the rows relays compacted as they recorded their acceptance since the
+    /// last pass (see [`UPGRADE_TO_6`]) into the report; with `on_accept` (a producer serving
+    /// at retention 0) it also asks the relays to go on doing so for the next
+    /// [`COMPACT_ON_ACCEPT_LEASE_US`].
+    pub(super) async fn compact(
+        &self,
+        cutoff_us: i64,
+        batch: usize,
+        on_accept: bool,
+    ) -> Result<CompactReport, StoreError> {
         let what = "compact outbox rows";
         let limit = i64::try_from(batch).unwrap_or(i64::MAX);
         let mut report = CompactReport::default();
+        {
+            let client = self.client().await?;
+            let stmt =
+                client.prepare_cached(COLLECT_SQL).await.map_err(|e| StoreError::from(e).during(what))?;
+            let params: Params<'_, 2> = [&on_accept, &COMPACT_ON_ACCEPT_LEASE_US];
+            let row = client.query_one(&stmt, &params).await.map_err(|e| StoreError::from(e).during(what))?;
+            report.compacted = unsigned(&row, 0, "rows compacted on acceptance")?;
+            report.body_bytes = unsigned(&row, 1, "bytes compacted on acceptance")?;
+            report.when_finished = report.compacted;
+            if on_accept && !ON_ACCEPT_ASKED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                tracing::info!(
+                    lease_ms = COMPACT_ON_ACCEPT_LEASE_US / 1000,
+                    "retention 0: relays compact each outbox row as they record its acceptance"
+                );
+            }
+        }
         loop {
             let client = self.client().await?;
             // Plain awaits, no retry closure: this future is spawned by the background loop,
@@ -1143,6 +1193,31 @@ pub(super) const COMPACT_SQL: &str = "WITH c AS (
      )
      SELECT count(*), coalesce(sum(n), 0)::bigint FROM u";
 
+/// How far ahead of the database's clock a producer at retention 0 asks relays to compact
+/// rows as they record their acceptance (10 s; renewed by every pass, once a second at 0).
+const COMPACT_ON_ACCEPT_LEASE_US: i64 = 10_000_000;
+
+/// Set once this process has first asked relays to compact on acceptance (logged once).
+static ON_ACCEPT_ASKED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// A pass's first statement: the rows (and body bytes) relays compacted on acceptance since
+/// the last pass, set back to 0 (the row is locked, so two passes never take the same
+/// count); with `$1` the request to go on for `$2` µs more. Nothing is written when there
+/// is nothing to take or renew.
+const COLLECT_SQL: &str = concat!(
+    "WITH old AS (
+         SELECT compacted_rows, compacted_bytes FROM backlog WHERE id = 1 FOR UPDATE
+     ),
+     taken AS (
+         UPDATE backlog b SET compacted_rows = 0, compacted_bytes = 0,
+             compact_on_accept_until_us = CASE WHEN $1 THEN ",
+    db_now_us!(),
+    " + $2 ELSE b.compact_on_accept_until_us END
+         FROM old WHERE b.id = 1 AND ($1 OR old.compacted_rows > 0)
+     )
+     SELECT compacted_rows, compacted_bytes FROM old"
+);
+
 /// One compaction batch, ONE transaction: its one statement locks up to `limit` accepted
 /// rows with a body accepted at or before `cutoff_us`, oldest first (see [`COMPACT_SQL`];
 /// `SKIP LOCKED`: rows a relay is marking are left to a later pass) and drops their bodies
@@ -1175,11 +1250,15 @@ async fn compact_batch(
 /// last holding answer's consumer and position); `k`: the key of each consumer database
 /// named (`consumer_key`, added the first time); `fence`: the lease rows that still name
 /// this owner, share-locked, so a takeover waits for this statement and a takeover that
-/// committed first leaves them out; `ok`: the outbox rows to record, locked and read at
-/// their newest version (an unfenced answer needs no lease); `u` records them; `b` moves
-/// the backlog counter by the rows newly accepted. Returns per partition how many rows
-/// landed, with the backlog update's row count and the newly accepted rows.
-const RECORD_SQL: &str = "
+/// committed first leaves them out; `c`: whether a producer at `--retention 0` asks for
+/// compaction as acceptance is recorded ([`UPGRADE_TO_6`]); `ok`: the outbox rows to record,
+/// locked and read at their newest version (an unfenced answer needs no lease), with the
+/// body's size of each newly accepted row to compact; `u` records them (and drops those
+/// bodies, keeping their digests); `b` moves the backlog counter by the rows newly accepted
+/// and counts the rows compacted. Returns per partition how many rows landed, with the
+/// backlog update's row count and the newly accepted rows.
+const RECORD_SQL: &str = concat!(
+    "
 WITH t AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::boolean[], $4::text[], $5::bigint[],
                          $6::smallint[], $7::bigint[])
@@ -1200,8 +1279,15 @@ fence AS (
     WHERE l.owner = $8 AND l.partition IN (SELECT part FROM a WHERE epoch IS NOT NULL)
     FOR SHARE
 ),
+c AS (
+    SELECT compact_on_accept_until_us > ",
+    db_now_us!(),
+    " AS now FROM backlog WHERE id = 1
+),
 ok AS (
-    SELECT o.event_id, o.accepted AS was, a.sends, a.word, a.holds, a.by, a.pos, a.part, a.epoch
+    SELECT o.event_id, o.accepted AS was, a.sends, a.word, a.holds, a.by, a.pos, a.part, a.epoch,
+           CASE WHEN a.holds AND o.accepted = 0 AND o.body IS NOT NULL AND (SELECT now FROM c)
+                THEN octet_length(convert_to(o.body, 'UTF8')) END AS compact_bytes
     FROM outbox o JOIN a ON o.event_id = a.id
     WHERE a.epoch IS NULL OR EXISTS (SELECT 1 FROM fence f WHERE f.partition = a.part AND f.epoch = a.epoch)
     FOR UPDATE OF o
@@ -1214,16 +1300,22 @@ u AS (
                            ELSE o.accepted_by END,
         accepted_position = CASE WHEN ok.by IS NOT NULL THEN ok.pos ELSE o.accepted_position END,
         marked_by = CASE WHEN ok.holds THEN $8 ELSE o.marked_by END,
-        marked_epoch = CASE WHEN ok.holds THEN ok.epoch ELSE o.marked_epoch END
+        marked_epoch = CASE WHEN ok.holds THEN ok.epoch ELSE o.marked_epoch END,
+        body_sha256 = CASE WHEN ok.compact_bytes IS NOT NULL THEN sha256(convert_to(o.body, 'UTF8'))
+                           ELSE o.body_sha256 END,
+        body = CASE WHEN ok.compact_bytes IS NOT NULL THEN NULL ELSE o.body END
     FROM ok WHERE o.event_id = ok.event_id
-    RETURNING ok.part, ok.holds AND ok.was = 0 AS newly
+    RETURNING ok.part, ok.holds AND ok.was = 0 AS newly, ok.compact_bytes
 ),
 b AS (
-    UPDATE backlog SET unaccepted = unaccepted - (SELECT count(*) FROM u WHERE newly)
+    UPDATE backlog SET unaccepted = unaccepted - (SELECT count(*) FROM u WHERE newly),
+        compacted_rows = compacted_rows + (SELECT count(compact_bytes) FROM u),
+        compacted_bytes = compacted_bytes + (SELECT coalesce(sum(compact_bytes), 0) FROM u)
     WHERE id = 1 AND EXISTS (SELECT 1 FROM u WHERE newly)
     RETURNING 1
 )
-SELECT part, count(*), (SELECT count(*) FROM u WHERE newly), (SELECT count(*) FROM b) FROM u GROUP BY part";
+SELECT part, count(*), (SELECT count(*) FROM u WHERE newly), (SELECT count(*) FROM b) FROM u GROUP BY part"
+);
 
 /// `(partition, epoch)` of a lease row's first two columns.
 fn lease_key(row: &Row) -> Result<(u16, u64), StoreError> {

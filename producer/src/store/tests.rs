@@ -631,9 +631,12 @@ async fn two_producers_on_one_schema_commit_each_step_once() {
     assert_eq!(place.text("SELECT CAST(unaccepted AS TEXT) FROM backlog").await.as_deref(), Some("10"));
 }
 
-/// Back from version 5 to 4's shape on PostgreSQL, rows kept: each accepted row names its
-/// consumer database by the id again (the tests of older upgrades start from there).
+/// Back from version 6 to 4's shape on PostgreSQL, rows kept: no compaction on acceptance,
+/// and each accepted row names its consumer database by the id again (the tests of older
+/// upgrades start from there).
 const PG_BACK_TO_4: &str = "
+    ALTER TABLE backlog DROP COLUMN compact_on_accept_until_us, DROP COLUMN compacted_rows,
+        DROP COLUMN compacted_bytes;
     CREATE FUNCTION pg_temp.database_of(k BIGINT) RETURNS TEXT LANGUAGE sql
         AS 'SELECT database_id FROM consumer_database WHERE id = k';
     DROP INDEX outbox_accepted_by;
@@ -771,8 +774,8 @@ async fn compaction_keeps_answers_exact_and_never_resends_a_tombstone() {
         ];
         store.record_deliveries(answers, Some("c1".into())).await.unwrap();
         // A cutoff before the rows were accepted compacts nothing.
-        assert_eq!(store.compact(0, 2, 0).await.unwrap().compacted, 0);
-        let report = store.compact(runtime::now_us(), 2, 0).await.unwrap();
+        assert_eq!(store.compact(0, 2, 0, false).await.unwrap().compacted, 0);
+        let report = store.compact(runtime::now_us(), 2, 0, false).await.unwrap();
         assert_eq!((report.compacted, report.batches), (3, 2), "{report:?}");
         assert_eq!(report.body_bytes, bodies.iter().map(|b| b.len() as u64).sum::<u64>());
         let (_, rows) = store.flow("A".into()).await.unwrap();
@@ -782,7 +785,7 @@ async fn compaction_keeps_answers_exact_and_never_resends_a_tombstone() {
         }
         let (_, b) = store.flow("B".into()).await.unwrap();
         assert!(!b[0].compacted && !b[0].body.is_empty(), "an unaccepted row is never compacted");
-        assert_eq!(store.compact(runtime::now_us(), 2, 0).await.unwrap().compacted, 0);
+        assert_eq!(store.compact(runtime::now_us(), 2, 0, false).await.unwrap().compacted, 0);
         // EXISTING rebuilds the very body; CONFLICT shows the tombstone.
         let retry = store.advance(cmd("A2", 1, "confirmed", 1, 3)).await.unwrap();
         assert_eq!(retry.outcome, AdvanceOutcome::Existing);
@@ -821,7 +824,7 @@ async fn accepting_a_loss_keeps_the_compacted_rows_accepted_and_resends_the_rest
         }
         let answers = (1..=3).map(|n| accepted(&format!("A{n}"), DeliveryAnswer::Accepted, n)).collect();
         store.record_deliveries(answers, Some("c1".into())).await.unwrap();
-        assert_eq!(store.compact(runtime::now_us(), 10, 0).await.unwrap().compacted, 3);
+        assert_eq!(store.compact(runtime::now_us(), 10, 0, false).await.unwrap().compacted, 3);
         // C1 is accepted after the compaction: it keeps its body.
         outcome(&store, cmd_on("C", "C1", 0, "reserved", 1, 3)).await;
         store
@@ -892,7 +895,7 @@ async fn the_upgrade_to_version_3_keeps_every_body_and_compacts_afterwards() {
     let (_, rows) = store.flow("A".into()).await.unwrap();
     assert!(!rows[0].compacted && rows[0].body.contains("\"A1\""), "{rows:?}");
     let body = rows[0].body.clone();
-    assert_eq!(store.compact(runtime::now_us(), 10, 0).await.unwrap().compacted, 1);
+    assert_eq!(store.compact(runtime::now_us(), 10, 0, false).await.unwrap().compacted, 1);
     let (_, rows) = store.flow("A".into()).await.unwrap();
     assert_eq!(rows[0].body_sha256, Some(runtime::retention::body_digest(body.as_bytes())));
     assert_eq!(
@@ -925,7 +928,8 @@ async fn the_upgrade_to_version_5_keys_the_consumer_databases_and_keeps_every_po
     place.sql("", PG_BACK_TO_4).await;
     assert_eq!(place.text(named).await.as_deref(), Some("A1 c-old@10, B1 c-new@11, C1 c-new@12, D1 -@-"));
     let store = place.open(None).await;
-    assert_eq!(place.text("SELECT CAST(schema_version AS TEXT) FROM meta").await.as_deref(), Some("5"));
+    let version = place.text("SELECT CAST(schema_version AS TEXT) FROM meta").await;
+    assert_eq!(version, Some(KIND_PG_VERSION.to_string()));
     let keyed = "SELECT string_agg(o.event_id || ' ' || coalesce(c.database_id, '-') || '@'
                      || coalesce(CAST(o.accepted_position AS TEXT), '-'), ', ' ORDER BY o.event_id)
                  FROM outbox o LEFT JOIN consumer_database c ON c.id = o.accepted_by";
@@ -951,6 +955,63 @@ async fn the_upgrade_to_version_5_keys_the_consumer_databases_and_keeps_every_po
         place.text("SELECT CAST(count(*) AS TEXT) FROM consumer_database").await.as_deref(),
         Some("3")
     );
+}
+
+/// PostgreSQL at retention 0: while a serving producer's pass asks for it, a relay's mark
+/// drops each newly accepted row's body for its digest in the same statement, and the next
+/// pass reports those rows once; without the request (or once it lapsed) a mark keeps the
+/// body for the passes. An `Advance` retry of a row compacted so is still `EXISTING`.
+#[tokio::test]
+async fn marks_compact_while_a_producer_at_retention_0_asks_and_passes_report_them() {
+    let Some(db) = TestDb::create("producer_store_compact_on_accept") else { return };
+    let place = Place::Postgres(db);
+    let store = place.open(None).await;
+    for flow in ["A", "B", "C", "D"] {
+        assert_eq!(
+            outcome(&store, cmd_on(flow, &format!("{flow}1"), 0, "reserved", 1, 3)).await,
+            AdvanceOutcome::Committed
+        );
+    }
+    let shown =
+        "SELECT string_agg(event_id || ':' || CASE WHEN body IS NULL THEN 'tombstone' ELSE 'body' END,
+                     ' ' ORDER BY event_id) FROM outbox";
+    let bytes: i64 = {
+        let b = place.text("SELECT CAST(sum(octet_length(convert_to(body, 'UTF8'))) AS TEXT) FROM outbox WHERE event_id IN ('A1', 'B1')").await;
+        b.unwrap().parse().unwrap()
+    };
+    let digests = place
+        .text("SELECT string_agg(encode(sha256(convert_to(body, 'UTF8')), 'hex'), ' ' ORDER BY event_id) FROM outbox")
+        .await;
+    // Nothing accepted yet: the pass compacts nothing, and asks relays to compact from now on.
+    let first = store.compact(runtime::now_us(), 10, 0, true).await.unwrap();
+    assert_eq!((first.compacted, first.when_finished), (0, 0));
+    let answers =
+        vec![accepted("A1", DeliveryAnswer::Accepted, 1), accepted("B1", DeliveryAnswer::Duplicate, 2)];
+    store.record_deliveries(answers, Some("c".into())).await.unwrap();
+    assert_eq!(place.text(shown).await.as_deref(), Some("A1:tombstone B1:tombstone C1:body D1:body"));
+    let kept = place
+        .text(
+            "SELECT string_agg(encode(coalesce(body_sha256, sha256(convert_to(body, 'UTF8'))), 'hex'), ' '
+             ORDER BY event_id) FROM outbox",
+        )
+        .await;
+    assert_eq!(kept, digests, "the digest of the body each tombstone had");
+    // The next pass of any producer reports them, once.
+    let report = store.compact(0, 10, 0, false).await.unwrap();
+    assert_eq!((report.compacted, report.when_finished, report.body_bytes), (2, 2, bytes as u64));
+    assert_eq!(store.compact(0, 10, 0, false).await.unwrap().compacted, 0);
+    // The request lapses (as when the last producer at 0 stopped): marks keep the body.
+    place.sql("", "UPDATE backlog SET compact_on_accept_until_us = 0").await;
+    store
+        .record_deliveries(vec![accepted("C1", DeliveryAnswer::Accepted, 3)], Some("c".into()))
+        .await
+        .unwrap();
+    assert_eq!(place.text(shown).await.as_deref(), Some("A1:tombstone B1:tombstone C1:body D1:body"));
+    assert_eq!(store.compact(0, 10, 0, false).await.unwrap().compacted, 0);
+    // Exact answers against a row compacted on acceptance.
+    assert_eq!(outcome(&store, cmd_on("A", "A1", 0, "reserved", 1, 3)).await, AdvanceOutcome::Existing);
+    assert_eq!(outcome(&store, cmd_on("A", "A1", 0, "reserved", 1, 4)).await, AdvanceOutcome::Conflict);
+    assert_eq!(place.text("SELECT CAST(unaccepted AS TEXT) FROM backlog").await.as_deref(), Some("1"));
 }
 
 /// PostgreSQL: relays whose first marks for a consumer database run at once give it one key,
@@ -1096,7 +1157,7 @@ async fn a_sqlite_pass_walks_past_unaccepted_rows_and_ends_at_the_cutoff() {
     let later = advance_all(vec!["later-1".into(), "later-2".into()]).await;
     store.record_deliveries(later, None).await.unwrap();
     place.sql("UPDATE outbox SET accepted_at_us = 1 WHERE flow_id LIKE 'later-%'", "").await;
-    let report = store.compact(cutoff, runtime::retention::COMPACT_BATCH, 0).await.unwrap();
+    let report = store.compact(cutoff, runtime::retention::COMPACT_BATCH, 0, false).await.unwrap();
     assert_eq!((report.compacted, report.batches), (10, 1), "{report:?}");
     let left =
         "SELECT group_concat(flow_id, ' ') FROM (SELECT flow_id FROM outbox JOIN outbox_body USING (id)
@@ -1121,7 +1182,7 @@ async fn a_sqlite_pass_gives_the_freed_pages_back() {
     let answers =
         ids.iter().map(|f| accepted(&format!("{f}-1"), DeliveryAnswer::Accepted, 0)).collect::<Vec<_>>();
     store.record_deliveries(answers, None).await.unwrap();
-    let report = store.compact(runtime::now_us(), runtime::retention::COMPACT_BATCH, 0).await.unwrap();
+    let report = store.compact(runtime::now_us(), runtime::retention::COMPACT_BATCH, 0, false).await.unwrap();
     assert_eq!((report.compacted, report.batches), (3000, 6), "{report:?}");
     assert!(report.pages_freed.unwrap() > 20, "{report:?}");
     assert!(report.file_bytes_after.unwrap() < report.file_bytes_before.unwrap(), "{report:?}");

@@ -150,9 +150,22 @@ async fn the_background_pass_compacts_accepted_rows_at_retention_0() {
     let Some(work) = Workdir::for_test() else { return };
     let producer = Producer::start_with(&work, &["--retention", "0"]);
     let consumer = Consumer::start(&work, true, &[]);
+    let on_postgres = matches!(producer.db, Target::Postgres(_));
+    if on_postgres {
+        // At 0 the producer's first pass asks relays to compact as they mark.
+        wait_for(
+            DEADLINE,
+            || producer.process.log_text().contains("relays compact each outbox row").then_some(()),
+            || producer.process.log_text(),
+        );
+    }
     commit(&producer, "A", 3).await;
     let sent = relay(&producer.db, &consumer.process.url(), &["drain"], &[]);
     assert_eq!(sent.code, Some(0), "{sent:?}");
+    if on_postgres {
+        let compacted = db::outbox(&producer.db).iter().filter(|r| r.compacted).count();
+        assert_eq!(compacted, 3, "compacted by the relay's marks: {:?}", db::outbox(&producer.db));
+    }
     commit(&producer, "U", 1).await;
     wait_for(
         DEADLINE,
@@ -177,6 +190,9 @@ async fn the_background_pass_compacts_accepted_rows_at_retention_0() {
         log.contains("compaction of finished rows older than the retention table=outbox retention=0"),
         "{log}"
     );
+    if on_postgres {
+        assert_eq!(harness::when_finished(&log), 3, "the passes report the relay's: {log}");
+    }
     assert_eq!(
         outcome(&producer.advance(advance("A", "A2", 1, "confirmed", 1)).await),
         AdvanceOutcome::Existing
