@@ -1243,26 +1243,27 @@ pub(crate) const COMPACT_SQL: &str = "WITH c AS (
      RETURNING c.bytes";
 
 /// Marks the rows `$1` names (all unapplied) applied at `$2` and, at retention 0, compacts
-/// them in the same statement: `o` reads each body's size, `u` marks the rows and drops their
-/// bodies for their digests (computed by the server from the same UTF-8 bytes as a pass's),
-/// `b` counts them for the next pass to report ([`UPGRADE_TO_8`]). Returns the rows marked,
-/// as the plain `UPDATE` does. `$1` is an array of event ids, or one id with `_ONE`.
+/// them in the same statement: `u` marks the rows and drops their bodies for their digests
+/// (computed by the server from the same UTF-8 bytes as a pass's), `b` counts them and their
+/// bodies' bytes (`$3`, summed by the caller from the bodies it applied: the statement's row
+/// count is checked against them, so they are exactly these rows') for the next pass to
+/// report ([`UPGRADE_TO_8`]). Returns the rows marked, as the plain `UPDATE` does. `$1` is an
+/// array of event ids, or one id with `_ONE`. The `UPDATE` is the plain one's, with the same
+/// plan: an index read per id (a first version read the bodies' sizes in a join of the inbox
+/// with itself, and slowed down as the table grew).
 macro_rules! mark_applied_compacting {
     ($match:literal) => {
         concat!(
-            "WITH o AS (
-                 SELECT event_id, octet_length(convert_to(body, 'UTF8')) AS n FROM inbox
+            "WITH u AS (
+                 UPDATE inbox SET state = 'applied', reason = NULL, applied_at_us = $2,
+                     body_sha256 = sha256(convert_to(body, 'UTF8')), body = NULL
                  WHERE event_id ",
             $match,
-            " AND state <> 'applied'),
-             u AS (
-                 UPDATE inbox i SET state = 'applied', reason = NULL, applied_at_us = $2,
-                     body_sha256 = sha256(convert_to(i.body, 'UTF8')), body = NULL
-                 FROM o WHERE i.event_id = o.event_id AND i.state <> 'applied'
-                 RETURNING o.n),
+            " AND state <> 'applied'
+                 RETURNING 1),
              b AS (
                  UPDATE backlog SET compacted_rows = compacted_rows + (SELECT count(*) FROM u),
-                     compacted_bytes = compacted_bytes + (SELECT coalesce(sum(n), 0) FROM u)
+                     compacted_bytes = compacted_bytes + $3
                  WHERE id = 1 AND EXISTS (SELECT 1 FROM u))
              SELECT count(*) FROM u"
         )
@@ -1302,6 +1303,8 @@ struct Planned {
     after: Projection,
     /// Applied steps in seq order: (event_id, seq, kind, held after it, committed at).
     steps: Vec<(String, u64, proto::flow::Kind, i64, Option<i64>)>,
+    /// The bytes of those steps' bodies (counted when Apply compacts them, at retention 0).
+    body_bytes: i64,
     /// A blocked mark to write (the row's event id and the reason).
     block: Option<(String, BlockReason)>,
     /// Why the flow stopped; `None` when the group filled up first (it goes on next group).
@@ -1467,7 +1470,8 @@ fn plan_group(
             .map(|r| raw_inbox(r, 5).check())
             .collect::<Result<_>>()
             .ok()?;
-        let mut plan = Planned { run: k, from, after: from, steps: Vec::new(), block: None, end: None };
+        let mut plan =
+            Planned { run: k, from, after: from, steps: Vec::new(), body_bytes: 0, block: None, end: None };
         let mut waiting = waiting.into_iter();
         let group_full = loop {
             if steps >= max_batch {
@@ -1503,6 +1507,7 @@ fn plan_group(
                     if after.last_seq != row.seq {
                         return None;
                     }
+                    plan.body_bytes += row.body.len() as i64;
                     plan.steps.push((row.event_id, row.seq, kind, after.held, row.committed_at_us));
                     plan.after = after;
                     steps += 1;
@@ -1621,7 +1626,9 @@ async fn write_group(
         &o_from_amount,
     ];
     let p_effects: [&(dyn ToSql + Sync); 6] = [&e_ids, &e_flows, &e_seqs, &e_kinds, &e_held, &now_us];
+    let body_bytes: i64 = moved.iter().map(|p| p.body_bytes).sum();
     let p_applied: [&(dyn ToSql + Sync); 2] = [&e_ids, &now_us];
+    let p_compacting: [&(dyn ToSql + Sync); 3] = [&e_ids, &now_us, &body_bytes];
     let p_blocked: [&(dyn ToSql + Sync); 2] = [&b_ids, &b_reasons];
     let mut writes: Vec<(PipedFuture<'_, u64>, usize)> = Vec::new();
     if !new.is_empty() {
@@ -1633,7 +1640,7 @@ async fn write_group(
     if !e_ids.is_empty() {
         writes.push((Box::pin(tx.execute(&insert_effects, &p_effects)), e_ids.len()));
         let mark: PipedFuture<'_, u64> = if compact {
-            Box::pin(mark_compacting(tx, &mark_applied, &p_applied))
+            Box::pin(mark_compacting(tx, &mark_applied, &p_compacting))
         } else {
             Box::pin(tx.execute(&mark_applied, &p_applied))
         };
@@ -1910,11 +1917,13 @@ async fn apply_step(
     let effect_params: [&(dyn ToSql + Sync); 6] =
         [&row.event_id, &row.flow_id, &seq, &kind, &after.held, &now_us];
     let mark_params: [&(dyn ToSql + Sync); 2] = [&row.event_id, &now_us];
+    let body_bytes = row.body.len() as i64;
+    let compacting_params: [&(dyn ToSql + Sync); 3] = [&row.event_id, &now_us, &body_bytes];
     let writes: Vec<PipedFuture<'_, u64>> = vec![
         Box::pin(tx.execute(&write_projection, &projection_params)),
         Box::pin(tx.execute(&insert_effect, &effect_params)),
         if opts.compact_applied {
-            Box::pin(mark_compacting(tx, &mark_applied, &mark_params))
+            Box::pin(mark_compacting(tx, &mark_applied, &compacting_params))
         } else {
             Box::pin(tx.execute(&mark_applied, &mark_params))
         },
