@@ -664,11 +664,9 @@ async fn apply_all_isolates_flows_and_failures() {
     }
 }
 
-/// Two appliers (two pools: as two consumer instances would) racing over the same flows
-/// leave exactly one effect per seq, in order.
-#[tokio::test(flavor = "multi_thread")]
-async fn racing_appliers_apply_each_step_once() {
-    let Some(db) = TestDb::create("c_apply_race") else { return };
+/// Two stores on `db` (two pools: as two consumer instances would have) and 20 reference
+/// flows received through the first, none applied.
+async fn two_appliers_over_20_flows(db: &TestDb) -> (ConsumerStore, ConsumerStore, Vec<String>) {
     let target: DbTarget = db.url().parse().unwrap();
     let one = ConsumerStore::open(&target).await.unwrap();
     let two = ConsumerStore::open(&target).await.unwrap();
@@ -678,6 +676,15 @@ async fn racing_appliers_apply_each_step_once() {
             receive(&one, reference(flow, seq)).await;
         }
     }
+    (one, two, flows)
+}
+
+/// Two appliers (two pools: as two consumer instances would) racing over the same flows
+/// leave exactly one effect per seq, in order.
+#[tokio::test(flavor = "multi_thread")]
+async fn racing_appliers_apply_each_step_once() {
+    let Some(db) = TestDb::create("c_apply_race") else { return };
+    let (one, two, flows) = two_appliers_over_20_flows(&db).await;
     // One step per transaction (the step-by-step path), then whole groups (PostgreSQL's
     // group fast path, whose compare-and-sets must see the other applier's moves).
     let (one_step, grouped) =
@@ -706,15 +713,7 @@ async fn racing_appliers_apply_each_step_once() {
 #[tokio::test(flavor = "multi_thread")]
 async fn pg_applies_at_retention_0_compact_what_they_apply_and_passes_count_it_once() {
     let Some(db) = TestDb::create("c_pg_compact_applied") else { return };
-    let target: DbTarget = db.url().parse().unwrap();
-    let one = ConsumerStore::open(&target).await.unwrap();
-    let two = ConsumerStore::open(&target).await.unwrap();
-    let flows: Vec<String> = (0..20).map(|i| format!("F{i}")).collect();
-    for flow in &flows {
-        for seq in 1..=3 {
-            receive(&one, reference(flow, seq)).await;
-        }
-    }
+    let (one, two, flows) = two_appliers_over_20_flows(&db).await;
     let mut digests = std::collections::BTreeMap::new();
     let mut bytes = 0;
     for flow in &flows {
