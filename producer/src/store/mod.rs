@@ -457,6 +457,11 @@ pub enum StoreError {
         what: &'static str,
         /// The backend's message.
         detail: String,
+        /// The storage itself failed, not the work: a full disk, an I/O error, a file that
+        /// refuses writes (SQLite's `SQLITE_FULL`, `SQLITE_IOERR`, `SQLITE_READONLY`), or
+        /// PostgreSQL's `53100` disk full and `58030` I/O error, classified by the error's
+        /// code where the backend's error becomes this one.
+        outage: bool,
     },
     /// A row holds a value this module never writes (edited by hand, or a newer build).
     #[error("corrupt producer database: {0}")]
@@ -472,25 +477,23 @@ impl StoreError {
         matches!(self, StoreError::Unavailable { .. })
     }
 
-    /// True for a failure of the storage itself rather than of the work: a full disk, an
-    /// I/O error, a file that refuses writes (SQLite's `SQLITE_FULL`, `SQLITE_IOERR`,
-    /// `SQLITE_READONLY`), or PostgreSQL's `53100` disk full and `58030` I/O error. It may
-    /// pass once the operator mends the storage, so `relay run` waits for it instead of
-    /// exiting.
+    /// True for a failure of the storage itself rather than of the work (see
+    /// [`StoreError::Storage`]'s `outage`). It may pass once the operator mends the storage,
+    /// so `relay run` waits for it instead of exiting.
     pub fn is_storage_outage(&self) -> bool {
-        let StoreError::Storage { detail, .. } = self else { return false };
-        const SQLITE: [&str; 3] =
-            ["database or disk is full", "disk I/O error", "attempt to write a readonly database"];
-        SQLITE.iter().any(|words| detail.contains(words))
-            || detail.starts_with("53100")
-            || detail.starts_with("58030")
+        matches!(self, StoreError::Storage { outage: true, .. })
+    }
+
+    /// A failure of the work, not of the storage (a constraint, a trigger, a thread lost).
+    fn storage(what: &'static str, detail: String) -> StoreError {
+        StoreError::Storage { what, detail, outage: false }
     }
 
     /// The same error about `what` (each layer names the step that failed).
     fn during(self, what: &'static str) -> StoreError {
         match self {
             StoreError::Unavailable { detail, .. } => StoreError::Unavailable { what, detail },
-            StoreError::Storage { detail, .. } => StoreError::Storage { what, detail },
+            StoreError::Storage { detail, outage, .. } => StoreError::Storage { what, detail, outage },
             other => other,
         }
     }

@@ -285,7 +285,9 @@ impl From<tokio_postgres::Error> for StoreError {
         if proto::pg::refuses_writes(&e) || is_retryable(&e) {
             StoreError::Unavailable { what: "postgres", detail }
         } else {
-            StoreError::Storage { what: "postgres", detail }
+            // 53100 disk full, 58030 I/O error: the server's storage, not the work.
+            let outage = e.code().is_some_and(|c| matches!(c.code(), "53100" | "58030"));
+            StoreError::Storage { what: "postgres", detail, outage }
         }
     }
 }
@@ -1440,8 +1442,7 @@ fn partition_param(flow_id: &str) -> i16 {
 
 /// A seq or position as PostgreSQL's BIGINT (every seq is at most 2^53).
 fn seq_param(n: u64) -> Result<i64, StoreError> {
-    i64::try_from(n)
-        .map_err(|_| StoreError::Storage { what: "postgres", detail: format!("{n} exceeds BIGINT") })
+    i64::try_from(n).map_err(|_| StoreError::storage("postgres", format!("{n} exceeds BIGINT")))
 }
 
 fn unsigned(row: &Row, i: usize, what: &str) -> Result<u64, StoreError> {

@@ -277,12 +277,15 @@ BEGIN UPDATE backlog SET unaccepted = unaccepted - 1 WHERE id = 1; END;
 
 impl From<rusqlite::Error> for StoreError {
     /// Busy or locked is retryable; anything else (a constraint, a trigger's `RAISE`, I/O) is
-    /// a storage failure. The step is named by the caller ([`StoreError::during`]).
+    /// a storage failure, an outage when the file itself failed (full, I/O, read-only). The
+    /// step is named by the caller ([`StoreError::during`]).
     fn from(e: rusqlite::Error) -> StoreError {
+        use rusqlite::ErrorCode::{DiskFull, ReadOnly, SystemIoFailure};
         if db::is_busy(&e) {
             StoreError::Unavailable { what: "sqlite", detail: e.to_string() }
         } else {
-            StoreError::Storage { what: "sqlite", detail: e.to_string() }
+            let outage = matches!(e.sqlite_error_code(), Some(DiskFull | SystemIoFailure | ReadOnly));
+            StoreError::Storage { what: "sqlite", detail: e.to_string(), outage }
         }
     }
 }
@@ -338,7 +341,7 @@ impl SqliteStore {
         let crash = self.crash;
         runtime::blocking::with_locked(&self.conn, move |conn| f(conn, crash))
             .await
-            .map_err(|e| StoreError::Storage { what, detail: e.to_string() })?
+            .map_err(|e| StoreError::storage(what, e.to_string()))?
             .map_err(|e| e.during(what))
     }
 

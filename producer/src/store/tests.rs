@@ -1187,3 +1187,20 @@ async fn a_sqlite_pass_gives_the_freed_pages_back() {
     assert!(report.pages_freed.unwrap() > 20, "{report:?}");
     assert!(report.file_bytes_after.unwrap() < report.file_bytes_before.unwrap(), "{report:?}");
 }
+
+/// A failure of the file itself (here SQLite's `SQLITE_READONLY`) is an outage `relay run`
+/// waits out; a failure of the work (a constraint) is not. Classified by the error's code,
+/// not its text.
+#[test]
+fn storage_outages_are_told_from_failed_work_by_the_error_code() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    rusqlite::Connection::open(&path).unwrap().execute_batch("CREATE TABLE t(x INTEGER NOT NULL)").unwrap();
+    let read_only =
+        rusqlite::Connection::open_with_flags(&path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+    let refused = StoreError::from(read_only.execute_batch("INSERT INTO t(x) VALUES (1)").unwrap_err());
+    assert!(refused.is_storage_outage(), "{refused:?}");
+    let writable = rusqlite::Connection::open(&path).unwrap();
+    let failed = StoreError::from(writable.execute_batch("INSERT INTO t(x) VALUES (NULL)").unwrap_err());
+    assert!(matches!(failed, StoreError::Storage { .. }) && !failed.is_storage_outage(), "{failed:?}");
+}

@@ -76,15 +76,20 @@ impl StorageWatch {
                      it opens what is at the path, or refuses a deleted database's leftovers"
                 );
             }
-            StoreError::Storage {
-                what: "advance commit",
-                detail: format!(
+            StoreError::storage(
+                "advance commit",
+                format!(
                     "{what} under this running producer; refusing to commit to the file it had open \
                      (restart the producer)"
                 ),
-            }
+            )
         })?;
-        self.fault.check().map_err(|detail| StoreError::Storage { what: "advance commit", detail })
+        // The test hook stands for a full disk.
+        self.fault.check().map_err(|detail| StoreError::Storage {
+            what: "advance commit",
+            detail,
+            outage: true,
+        })
     }
 
     /// A transaction could not begin or commit. A storage failure (not contention, not a
